@@ -1,0 +1,67 @@
+"""Preallocated key/value caches: write in place, crop by moving a length pointer, no concatenation.
+
+`KVCache` holds, for each layer, keys and values of shape [B, H_kv, capacity, D]. The draft keeps only the
+projected *context* K/V here (the block's own K/V are recomputed every step, as in DFlash); the target cache is an
+adapter around the model's own cache (see target.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer K/V buffers of fixed capacity with a shared fill length.
+
+    append(ks, vs): ks/vs are lists (one per layer) of [B, H_kv, T, D]; written at [length, length+T).
+    view(layer) -> (k, v) of [B, H_kv, length, D] (views, no copies).
+    crop(n): keep the first n positions. reset(): length 0. Capacity grows by doubling if exceeded.
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        assert num_layers >= 1 and capacity >= 1
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (new_cap,) + old.shape[4:])
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+
+    def append(self, ks: torch.Tensor, vs: torch.Tensor) -> None:
+        """ks, vs: [num_layers, B, H_kv, T, D] for T new positions."""
+        assert ks.shape == vs.shape and ks.dim() == 5 and ks.shape[0] == self.num_layers, tuple(ks.shape)
+        assert ks.shape[1:3] == self.k.shape[1:3] and ks.shape[4] == self.k.shape[4], (
+            f"append shape {tuple(ks.shape)} does not fit cache {tuple(self.k.shape)}"
+        )
+        t = ks.shape[3]
+        if self.length + t > self.capacity:
+            self._grow(self.length + t)
+        self.k[:, :, :, self.length : self.length + t] = ks
+        self.v[:, :, :, self.length : self.length + t] = vs
+        self.length += t
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {n}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,360 @@
+"""The DFlash draft: a small block-diffusion transformer conditioned on fused target hidden states.
+
+Architecture (paper sec. 3; layout of the public DFlash checkpoints, so vLLM/SGLang load our drafts):
+- context fusion: concat of K tapped target layers [*, K*H] -> fc (Linear K*H -> H, no bias) -> hidden_norm (RMSNorm);
+- each layer is Qwen3-shaped (per-head RMSNorm on q and k, SwiGLU MLP) whatever the target's family; queries come
+  from the block only, keys/values are [k/v_proj(context); k/v_proj(block)] with RoPE at absolute positions, and the
+  block attends to itself bidirectionally (no causal mask);
+- final RMSNorm; logits come from the *target's* frozen LM head, the input embeddings from the target's embedding
+  (the mask token is the target's row at `mask_token_id`). Neither is stored in the draft.
+
+Because every layer projects the same fused context, the context K/V of all layers are produced by one matmul with
+the layers' k/v weights stacked (`context_kv`), and only those are cached between decode steps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """K layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as the paper and the public drafts do;
+    the last layers are skipped because their states are already specialised to the target's own next token)."""
+    if num_features < 1:
+        raise ValueError("need at least one target feature layer")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    # blockdraft's own metadata (training recipe, provenance), saved under "blockdraft" in config.json.
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        if self.block_size < 2:
+            raise ValueError("a DFlash draft needs block_size >= 2")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config, *, num_hidden_layers: int = 3, block_size: int = 16,
+                    mask_token_id: int, num_target_features: int | None = None,
+                    target_layer_ids: list[int] | None = None, **overrides) -> "DFlashConfig":
+        """Derive the layer shape from the target's HF config (hidden size, heads, head_dim, MLP width, rope)."""
+        tc = getattr(target_config, "text_config", None) or target_config
+        heads = int(tc.num_attention_heads)
+        head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+        rope = getattr(tc, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict)
+                      else getattr(tc, "rope_theta", 10000.0))
+        n_layers = int(tc.num_hidden_layers)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(n_layers, num_target_features or num_hidden_layers)
+        kw = dict(
+            hidden_size=int(tc.hidden_size), num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)), head_dim=head_dim,
+            intermediate_size=int(tc.intermediate_size), vocab_size=int(tc.vocab_size),
+            num_target_layers=n_layers, target_layer_ids=list(target_layer_ids), mask_token_id=mask_token_id,
+            block_size=block_size, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=theta,
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    # ------------------------------------------------------------------------ the public (vLLM/SGLang) layout
+    def to_hf_dict(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.hidden_act,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+            "dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"target_layer_ids": self.target_layer_ids, "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size},
+            "blockdraft": self.extra,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DFlashConfig":
+        dc = d.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            raise ValueError("draft config has no dflash_config.target_layer_ids: not a DFlash draft")
+        mask = dc.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("draft config has no dflash_config.mask_token_id")
+        rope = d.get("rope_parameters") or {}
+        heads = int(d["num_attention_heads"])
+        return cls(
+            hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            intermediate_size=int(d["intermediate_size"]), vocab_size=int(d["vocab_size"]),
+            num_target_layers=int(d.get("num_target_layers", max(ids) + 1)), target_layer_ids=list(ids),
+            mask_token_id=int(mask), block_size=int(dc.get("block_size", d.get("block_size", 16))),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+            hidden_act=d.get("hidden_act", "silu"), extra=dict(d.get("blockdraft") or {}),
+        )
+
+
+# ------------------------------------------------------------------------------------------------- primitives
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> (cos, sin) [B, 1, T, D] for the rotate-half RoPE convention (LLaMA/Qwen)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] rotated by cos/sin [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Q, H] block states; cos/sin [B, 1, Q, D] at the block positions; ctx_k/ctx_v [B, H_kv, C, D]
+        (already normed/rotated); mask [B|1, 1, Q, C+Q] bool (True = visible) or None (all visible)."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_target_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project target features into every layer's context keys/values with one matmul.
+
+        features [B, C, K*H] (the tapped target layers), positions [B, C] (their true positions).
+        Returns (ks, vs), each [L, B, H_kv, C, D]: keys k-normed and rotated, as the attention consumes them.
+        """
+        cfg = self.config
+        b, c, kh = features.shape
+        assert kh == cfg.num_target_features * cfg.hidden_size, (
+            f"features must be [B, C, K*H] with K*H = {cfg.num_target_features * cfg.hidden_size}, got {kh}"
+        )
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [B, C, H]
+        attn = [layer.self_attn for layer in self.layers]
+        w = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], dim=0)
+        kv = F.linear(ctx, w).view(b, c, 2, len(attn), cfg.num_key_value_heads, cfg.head_dim)
+        k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
+        v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, k.dtype)
+        ks = torch.stack([apply_rope(a.k_norm(k[i]), cos, sin) for i, a in enumerate(attn)])
+        return ks, v.contiguous()
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_k, ctx_v,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """block_embeds [B, Q, H] (target embeddings of [token, MASK...] per block), block_positions [B, Q],
+        ctx_k/ctx_v: per-layer sequences (tensor [L, B, H_kv, C, D] or list of [B, H_kv, C, D]),
+        mask [B|1, 1, Q, C+Q] bool or None (inference: the block sees all context and itself).
+        Returns final-normed hidden states [B, Q, H]."""
+        assert block_embeds.dim() == 3 and block_positions.shape == block_embeds.shape[:2], (
+            f"block_embeds [B, Q, H] / block_positions [B, Q] mismatch: {tuple(block_embeds.shape)}, "
+            f"{tuple(block_positions.shape)}"
+        )
+        x = block_embeds.to(self.dtype)
+        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.norm(x)
+
+    # ----------------------------------------------------------------------------------------- save / load
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write config.json + model.safetensors in the public DFlash layout (no embedding, no LM head)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tmp = out / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / WEIGHTS_NAME)
+        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> "DFlashDraftModel":
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        if not (p / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{p} is not a draft directory (no {CONFIG_NAME})")
+        try:
+            d = json.loads((p / CONFIG_NAME).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
+        cfg = DFlashConfig.from_hf_dict(d)
+        model = cls(cfg)
+        state = load_file(str(p / WEIGHTS_NAME))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{p / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        return model.to(device=device, dtype=dtype or next(iter(state.values())).dtype).eval()
+
+
+def check_compatible(cfg: DFlashConfig, target) -> None:
+    """Raise a clear error when a draft does not fit a target (wrong checkpoint for this model)."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
+    if cfg.num_target_layers != target.num_layers:
+        problems.append(f"trained for a {cfg.num_target_layers}-layer target, this one has {target.num_layers}")
+    if max(cfg.target_layer_ids) >= target.num_layers:
+        problems.append(f"target_layer_ids {cfg.target_layer_ids} exceed the target's {target.num_layers} layers")
+    if problems:
+        raise ValueError("draft does not fit this target: " + "; ".join(problems))
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def config_summary(cfg: DFlashConfig) -> dict:
+    d = asdict(cfg)
+    d["params_M"] = round(
+        (cfg.num_target_features * cfg.hidden_size * cfg.hidden_size
+         + cfg.num_hidden_layers * (2 * cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads
+                                                                         + cfg.num_key_value_heads)
+                                    + 3 * cfg.hidden_size * cfg.intermediate_size)) / 1e6, 2)
+    return d
+

@@ -1,0 +1,102 @@
+"""DFlash proposer: one forward of the block-diffusion draft proposes B-1 tokens in parallel."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..draft import DFlashDraftModel, check_compatible
+from ..sampling import logits_to_probs, sample
+from ..target import TargetModel
+from . import Proposal
+
+
+class DFlashProposer:
+    name = "dflash"
+
+    def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
+                 denoise_steps: int = 1) -> None:
+        check_compatible(draft.config, target)
+        bs = block_size or draft.block_size
+        if bs < 1:
+            raise ValueError("block_size must be >= 1")
+        if denoise_steps < 1:
+            raise ValueError("denoise_steps must be >= 1")
+        self.draft, self.target = draft, target
+        self.block_size = bs
+        self.denoise_steps = denoise_steps
+        self.layer_ids = tuple(draft.config.target_layer_ids)
+        cfg = draft.config
+        self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
+                           dtype=draft.dtype, device=target.device)
+
+    def _append_context(self, features: torch.Tensor) -> None:
+        start = self.ctx.length
+        pos = torch.arange(start, start + features.shape[1], device=features.device).unsqueeze(0)
+        ks, vs = self.draft.context_kv(features, pos)
+        self.ctx.append(ks, vs)
+
+    @torch.no_grad()
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        assert features is not None and features.dim() == 3, "DFlash needs the prompt's target features [1, n0, K*H]"
+        self.ctx.reset()
+        self._append_context(features)
+
+    @torch.no_grad()
+    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
+        assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
+        self._append_context(features)
+
+    @torch.no_grad()
+    def _draft_logits(self, block: torch.Tensor, start: int) -> torch.Tensor:
+        """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> logits [Q-1, V] for
+        positions 1..Q-1 of the block (row j predicts block[j+1])."""
+        pos = torch.arange(start, start + block.shape[0], device=block.device).unsqueeze(0)
+        embeds = self.target.embed(block.unsqueeze(0))
+        ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
+        vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
+        hidden = self.draft(embeds, pos, ks, vs)
+        return self.target.logits(hidden[0, 1:].to(self.target.dtype))
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        g = min(num_draft, self.block_size - 1)
+        if g <= 0:
+            return Proposal(tokens.new_zeros(0), None)
+        n = tokens.shape[0]
+        assert self.ctx.length == n - 1, f"draft context holds {self.ctx.length} positions, expected {n - 1}"
+        block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[0] = tokens[-1]
+        out = torch.zeros(g, dtype=torch.long, device=tokens.device)
+        q = None if sampling.greedy else torch.zeros(g, self.target.vocab_size, device=tokens.device)
+        fixed = torch.zeros(g, dtype=torch.bool, device=tokens.device)
+        steps = min(self.denoise_steps, g)
+        for s in range(steps):
+            logits = self._draft_logits(block, n - 1).float()  # [g, V]
+            if sampling.greedy:
+                conf, cand = logits.softmax(-1).max(-1)
+                probs = None
+            else:
+                probs = logits_to_probs(logits, sampling)
+                cand = sample(probs, generator)
+                conf = probs.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+            free = (~fixed).nonzero().squeeze(-1)
+            k = len(free) if s == steps - 1 else math.ceil(len(free) / (steps - s))
+            if sampling.greedy:
+                # Greedy verification only compares tokens, so any order of unmasking stays lossless: keep the
+                # most confident positions (the remasking schedule of block-diffusion LMs).
+                chosen = free[conf[free].topk(k).indices]
+            else:
+                # Rejection sampling needs q_i(d_i | d_<i). Unmasking strictly left to right keeps each draw
+                # conditioned only on the positions before it, so the recorded q rows are those conditionals.
+                chosen = free[:k]
+            out[chosen] = cand[chosen]
+            if probs is not None:
+                q[chosen] = probs[chosen]
+            fixed[chosen] = True
+            block[1:][chosen] = cand[chosen]
+        return Proposal(out, q)

@@ -1,0 +1,45 @@
+"""Logits processing (temperature, top-k, top-p) and sampling with an explicit generator.
+
+The same `logits_to_probs` is applied to the target's logits (p) and the draft's logits (q): rejection sampling is
+lossless with respect to the *processed* target distribution only if both sides see the same processing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probs [..., V] (float32) after temperature, top-k and top-p. Requires temperature > 0."""
+    assert params.temperature > 0, "greedy decoding has no distribution; use argmax"
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs [..., V] -> token ids [...] drawn with `generator`."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,173 @@
+"""TargetModel: a thin adapter over any Hugging Face causal LM (LLaMA/SmolLM2, Qwen2/2.5, Qwen3, Gemma3, ...).
+
+It exposes what speculative decoding needs and nothing else:
+- `forward(ids, cache)` over new tokens -> logits and the hidden states of the tapped layers;
+- the frozen embedding and LM head, shared with the draft;
+- a cache object that can be rolled back after a rejection.
+
+Layer tap convention: feature layer i is the *output of decoder layer i* (0-based), which is what Hugging Face
+returns as `hidden_states[i + 1]` (index 0 there is the embedding output). The features of the K tapped layers are
+concatenated along the hidden dimension: [B, T, K*H].
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T', V]; T' = T, or 1 when only the last position's logits were asked for
+    features: torch.Tensor | None  # [B, T, K*H] or None when no layers were tapped
+
+
+class TargetCache:
+    """The target's KV cache with an explicit length and rollback.
+
+    It wraps the model's own `DynamicCache` (so every HF architecture, sliding-window layers included, keeps working)
+    and records past states so that sliding-window layers can be cropped too.
+    """
+
+    def __init__(self, config) -> None:
+        from transformers import DynamicCache
+
+        self.hf = DynamicCache(config=config)
+        if hasattr(self.hf, "activate_past_recording"):
+            self.hf.activate_past_recording()
+
+    @property
+    def length(self) -> int:
+        return int(self.hf.get_seq_length())
+
+    def crop(self, n: int) -> None:
+        """Keep the first n positions. A negative count is what transformers 5.x requires (and 4.x accepts)."""
+        cur = self.length
+        if not 0 <= n <= cur:
+            raise ValueError(f"cannot crop a target cache of length {cur} to {n}")
+        if n < cur:
+            self.hf.crop(n - cur)
+
+
+class TargetModel(nn.Module):
+    """Wraps an HF `*ForCausalLM`. `layer_ids` are the decoder layers whose outputs form the draft's context."""
+
+    def __init__(self, hf_model: nn.Module, tokenizer=None, layer_ids: list[int] | tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.tokenizer = tokenizer
+        self.config = getattr(hf_model.config, "text_config", None) or hf_model.config
+        self.decoder = hf_model.get_decoder()
+        self.layers = self.decoder.layers
+        self.lm_head = hf_model.get_output_embeddings()
+        self.embed_tokens = hf_model.get_input_embeddings()
+        self._softcap = getattr(self.config, "final_logit_softcapping", None)
+        # transformers 5.x renames `past_key_values=` to `cache=`; use whichever this version's decoder takes.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        self._captured: dict[int, torch.Tensor] | None = None
+        self._hooked: set[int] = set()
+        self.layer_ids: tuple[int, ...] = ()
+        self.set_layer_ids(layer_ids)
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for src in (getattr(self.hf, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif eos:
+                ids.update(int(e) for e in eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    # -------------------------------------------------------------------------------------------------- the tap
+    def set_layer_ids(self, layer_ids) -> None:
+        layer_ids = tuple(int(i) for i in layer_ids)
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"target layer id {i} out of range: the target has {self.num_layers} layers")
+        for i in layer_ids:
+            if i not in self._hooked:
+                self.layers[i].register_forward_hook(self._make_hook(i))
+                self._hooked.add(i)
+        self.layer_ids = layer_ids
+
+    def _make_hook(self, i: int):
+        def hook(_module, _inputs, output):
+            if self._captured is not None and i in self.layer_ids:
+                self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ---------------------------------------------------------------------------------------------- primitives
+    def new_cache(self) -> TargetCache:
+        return TargetCache(self.config)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> embeddings [B, T, H], exactly as the target embeds its own input (Gemma's scale included)."""
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any)."""
+        out = self.lm_head(hidden)
+        if self._softcap:
+            out = torch.tanh(out / self._softcap) * self._softcap
+        return out
+
+    # no_grad rather than inference_mode: the training pipeline feeds these features into modules that save
+    # their inputs for backward, which inference tensors forbid.
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: TargetCache | None, *, last_only: bool = False,
+                tap: bool = True) -> TargetOutput:
+        """Run the target over new tokens appended after the cache.
+
+        ids: [B, T] int64 at positions cache.length .. cache.length + T - 1.
+        last_only: compute logits for the last position only (prefill), saving a [T, V] LM-head product.
+        tap: capture the tapped layers' outputs as features [B, T, K*H].
+        """
+        assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        self._captured = {} if (tap and self.layer_ids) else None
+        try:
+            kw = {self._cache_kw: cache.hf} if cache is not None else {}
+            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=cache is not None, **kw)
+            captured = self._captured
+        finally:
+            self._captured = None
+        hidden = out.last_hidden_state
+        logits = self.logits(hidden[:, -1:] if last_only else hidden)
+        feats = None
+        if captured is not None:
+            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        return TargetOutput(logits=logits, features=feats)

@@ -1,0 +1,122 @@
+"""The DFlash draft: attention pattern, cached vs full context, public checkpoint layout, compatibility errors."""
+
+import json
+
+import pytest
+import torch
+
+from blockdraft.draft import DFlashConfig, DFlashDraftModel, check_compatible, default_target_layer_ids
+from blockdraft.target import TargetModel
+from conftest import MASK_ID, tiny_draft, tiny_llama, tiny_qwen3
+
+
+def _inputs(target: TargetModel, draft: DFlashDraftModel, ctx_len=7, q=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = draft.config.num_target_features * target.hidden_size
+    feats = torch.randn(1, ctx_len, k, generator=g)
+    block = torch.full((1, q), MASK_ID)
+    block[0, 0] = 5
+    return feats, block
+
+
+def _run(target, draft, feats, block):
+    ctx_len = feats.shape[1]
+    ks, vs = draft.context_kv(feats, torch.arange(ctx_len).unsqueeze(0))
+    pos = torch.arange(ctx_len, ctx_len + block.shape[1]).unsqueeze(0)
+    return draft(target.embed(block), pos, ks, vs)
+
+
+def test_default_layer_ids_spread_from_1_to_L_minus_3():
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_context_is_visible_and_block_is_bidirectional(target: TargetModel):
+    draft = tiny_draft(target)
+    feats, block = _inputs(target, draft)
+    base = _run(target, draft, feats, block)
+    feats2 = feats.clone()
+    feats2[0, 0] += 1.0  # the earliest context position
+    assert not torch.allclose(_run(target, draft, feats2, block), base), "context must be visible to the block"
+    block2 = block.clone()
+    block2[0, -1] = 3  # the LAST block position changes...
+    out2 = _run(target, draft, feats, block2)
+    assert not torch.allclose(out2[0, 0], base[0, 0]), "...and the FIRST position sees it: no causal mask"
+
+
+def test_incremental_context_equals_full_context(target: TargetModel):
+    """Appending context in pieces (what decoding does) gives the same K/V as projecting it at once."""
+    draft = tiny_draft(target)
+    feats, _ = _inputs(target, draft, ctx_len=9)
+    k_all, v_all = draft.context_kv(feats, torch.arange(9).unsqueeze(0))
+    k1, v1 = draft.context_kv(feats[:, :4], torch.arange(4).unsqueeze(0))
+    k2, v2 = draft.context_kv(feats[:, 4:], torch.arange(4, 9).unsqueeze(0))
+    torch.testing.assert_close(torch.cat([k1, k2], dim=3), k_all)
+    torch.testing.assert_close(torch.cat([v1, v2], dim=3), v_all)
+    assert k_all.shape == (draft.config.num_hidden_layers, 1, draft.config.num_key_value_heads, 9,
+                           draft.config.head_dim)
+
+
+def test_batched_context_kv_equals_per_layer_projection(target: TargetModel):
+    """The one-matmul projection for all layers equals each layer's own k/v projection (naive reference)."""
+    from blockdraft.draft import apply_rope, rope_cos_sin
+
+    draft = tiny_draft(target, layers=3)
+    feats, _ = _inputs(target, draft)
+    pos = torch.arange(7).unsqueeze(0)
+    ks, vs = draft.context_kv(feats, pos)
+    ctx = draft.hidden_norm(draft.fc(feats))
+    cfg = draft.config
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, ctx.dtype)
+    for i, layer in enumerate(draft.layers):
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(ctx).view(1, 7, cfg.num_key_value_heads, cfg.head_dim)).transpose(1, 2)
+        v = a.v_proj(ctx).view(1, 7, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        torch.testing.assert_close(ks[i], apply_rope(k, cos, sin))
+        torch.testing.assert_close(vs[i], v)
+
+
+def test_save_load_round_trip_in_public_layout(tmp_path, llama_target):
+    draft = tiny_draft(llama_target, layers=2)
+    draft.save_pretrained(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"]["target_layer_ids"] == draft.config.target_layer_ids
+    assert cfg["dflash_config"]["mask_token_id"] == MASK_ID
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == llama_target.num_layers
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight",
+            "layers.1.post_attention_layernorm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names), "embedding and LM head are the target's"
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    feats, block = _inputs(llama_target, draft)
+    torch.testing.assert_close(_run(llama_target, loaded, feats, block), _run(llama_target, draft, feats, block))
+
+
+def test_bf16_save_is_bf16(tmp_path, llama_target):
+    tiny_draft(llama_target).save_pretrained(tmp_path)
+    assert DFlashDraftModel.from_pretrained(tmp_path).dtype == torch.bfloat16
+
+
+def test_mismatched_draft_is_a_clear_error(llama_target):
+    other = TargetModel(tiny_qwen3())
+    draft = tiny_draft(other)
+    with pytest.raises(ValueError, match="does not fit"):
+        check_compatible(draft.config, llama_target)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.from_target(tiny_llama().config, mask_token_id=500)
+
+
+def test_corrupt_draft_dir(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DFlashDraftModel.from_pretrained(tmp_path)

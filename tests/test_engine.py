@@ -1,0 +1,163 @@
+"""The decode loop: greedy losslessness (fp32, token-exact) at both extremes, stops, streaming, bad input."""
+
+import pytest
+import torch
+
+from blockdraft.config import GenerationConfig, SamplingParams
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.proposers import Proposal
+from blockdraft.proposers.dflash import DFlashProposer
+from blockdraft.target import TargetModel
+from conftest import ToyTokenizer, tiny_draft, tiny_llama
+
+N_NEW = 40
+
+
+def naive_greedy(target: TargetModel, prompt: torch.Tensor, n: int, eos=None) -> list[int]:
+    """Reference: recompute the whole sequence every token, no cache, plain argmax."""
+    ids = prompt.clone()
+    out = []
+    for _ in range(n):
+        nxt = int(target.hf(ids.unsqueeze(0)).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([nxt])])
+        if eos is not None and nxt == eos:
+            break
+    return out
+
+
+class OracleProposer:
+    """Always right: proposes the true continuation (what a perfect drafter would)."""
+
+    name = "oracle"
+    layer_ids = ()
+
+    def __init__(self, prompt_len: int, continuation: list[int], block_size: int) -> None:
+        self.prompt_len, self.cont, self.block_size = prompt_len, continuation, block_size
+
+    def start(self, prompt_ids, features):
+        pass
+
+    def propose(self, tokens, num_draft, sampling, generator):
+        done = tokens.numel() - self.prompt_len
+        nxt = self.cont[done: done + min(num_draft, self.block_size - 1)]
+        return Proposal(torch.tensor(nxt, dtype=torch.long), None)
+
+    def accept(self, features, num_committed):
+        pass
+
+
+def _prompt(seed=0, n=11):
+    return torch.randint(0, 90, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_dflash_is_token_exact(target: TargetModel, block_size: int):
+    prompt = _prompt()
+    ref = naive_greedy(target, prompt, N_NEW)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)
+    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    assert plain.token_ids == ref
+    draft = tiny_draft(target, block_size=16)  # an untrained, essentially useless drafter
+    res = SpeculativeEngine(target, DFlashProposer(draft, target, block_size=block_size)).generate(prompt, cfg)
+    assert res.token_ids == ref
+    assert len(res.stats.accept_lengths) >= 2, "several verify rounds"
+    assert sum(res.stats.accept_lengths) + 1 == N_NEW
+    assert all(1 <= a <= block_size for a in res.stats.accept_lengths)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_oracle_is_token_exact_and_accepts_everything(target: TargetModel, block_size: int):
+    prompt = _prompt(1)
+    ref = naive_greedy(target, prompt, N_NEW)
+    proposer = OracleProposer(prompt.numel(), ref, block_size)
+    res = SpeculativeEngine(target, proposer).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                                ignore_eos=True))
+    assert res.token_ids == ref
+    # every step but the last (which is cut by max_new_tokens) commits a full block
+    assert all(a == block_size for a in res.stats.accept_lengths[:-1])
+    assert res.stats.target_forwards == 1 + len(res.stats.accept_lengths)
+    assert res.stats.position_accepted == res.stats.position_trials
+
+
+def test_multi_step_denoising_stays_lossless(llama_target):
+    prompt = _prompt(2)
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    draft = tiny_draft(llama_target)
+    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=3))
+    assert eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids == ref
+
+
+def test_sampling_is_reproducible_with_a_seed(llama_target):
+    draft = tiny_draft(llama_target)
+    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=2))
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    s = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    a, b = eng.generate(_prompt(), cfg, s), eng.generate(_prompt(), cfg, s)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+
+
+def test_stops_on_eos_and_never_emits_past_it(llama_target):
+    prompt = _prompt(3)
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    stop_tok = ref[7]
+    first = ref.index(stop_tok)
+    draft = tiny_draft(llama_target)
+    for prop in (None, DFlashProposer(draft, llama_target), OracleProposer(prompt.numel(), ref, 8)):
+        res = SpeculativeEngine(llama_target, prop).generate(
+            prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_token_ids=(stop_tok,)))
+        assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
+
+
+def test_stop_strings_cut_text_and_tokens(llama_target):
+    prompt = _prompt(4)
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    tok = ToyTokenizer()
+    full = tok.decode(ref)
+    stop = tok.decode(ref[10:12])
+    cut = full.find(stop)
+    eng = SpeculativeEngine(llama_target, OracleProposer(prompt.numel(), ref, 8))
+    res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_strings=(stop,)))
+    assert res.text == full[:cut] and res.finish_reason == "stop"
+    assert stop not in res.text and len(res.token_ids) <= 12
+
+
+def test_streaming_equals_non_streaming(llama_target):
+    prompt = _prompt(5)
+    draft = tiny_draft(llama_target)
+    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target))
+    cfg = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_strings=("zz",))
+    gen = eng.stream(prompt, cfg)
+    deltas = list(gen)
+    assert len(deltas) > 1
+    assert "".join(deltas) == gen.result.text == eng.generate(prompt, cfg).text
+
+
+def test_max_new_tokens_is_exact(llama_target):
+    prompt = _prompt(6)
+    ref = naive_greedy(llama_target, prompt, 13)
+    eng = SpeculativeEngine(llama_target, OracleProposer(prompt.numel(), ref + [0] * 20, 16))
+    res = eng.generate(prompt, GenerationConfig(max_new_tokens=13, ignore_eos=True))
+    assert res.token_ids == ref and res.finish_reason == "length"
+
+
+def test_generation_stops_at_the_context_end():
+    t = TargetModel(tiny_llama())  # max_position_embeddings 256
+    prompt = _prompt(n=250)
+    res = SpeculativeEngine(t).generate(prompt, GenerationConfig(max_new_tokens=50, ignore_eos=True))
+    assert len(res.token_ids) <= 256 - 250 + 1 and res.finish_reason == "length"
+
+
+def test_bad_input_is_a_clear_error(llama_target):
+    eng = SpeculativeEngine(llama_target)
+    with pytest.raises(ValueError, match="context"):
+        eng.generate(_prompt(n=300))
+    with pytest.raises(ValueError, match="non-empty"):
+        eng.generate([])
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.generate([1, 2, 500])
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(temperature=float("nan"))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError):
+        GenerationConfig(max_new_tokens=0)
