@@ -16,13 +16,13 @@ VOCAB = 99
 MASK_ID = 98
 
 
-def tiny_llama(seed: int = 0, layers: int = 5, dtype=torch.float32):
+def tiny_llama(seed: int = 0, layers: int = 5, dtype=torch.float32, init: float = 0.5):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=37, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.5, rope_theta=10000.0, eos_token_id=VOCAB - 2, bos_token_id=0, pad_token_id=0,
+                      initializer_range=init, rope_theta=10000.0, eos_token_id=VOCAB - 2, bos_token_id=0, pad_token_id=0,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
 

@@ -133,3 +133,82 @@ def load_hf_target(target: str | None, dtype: str | torch.dtype = "bf16", device
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
     model.to(device).eval().requires_grad_(False)
     return model, tok, src
+
+
+# ---------------------------------------------------------------------------------------------- drafts, engines
+SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: a Jupyter-notebook special token that never occurs in chat data
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The token whose (frozen) embedding the draft reads at masked block positions. Must be a token the target
+    never produces in the training data; the choice is saved in the draft's config."""
+    for attr in ("mask_token_id",):
+        tid = getattr(tokenizer, attr, None)
+        if tid is not None:
+            return int(tid)
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    for name in ("<|MASK|>", "<|mask|>", "<mask>", "<empty_output>", "<|fim_pad|>"):
+        if name in vocab and vocab[name] < vocab_size:
+            return int(vocab[name])
+    return vocab_size - 1
+
+
+def packaged_models_dir() -> Path:
+    """Drafts shipped with blockdraft: $BLOCKDRAFT_MODELS, else the repo's models/ next to src/."""
+    env = os.environ.get("BLOCKDRAFT_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+
+
+DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash"}
+
+
+def resolve_draft(draft: str | None, target_name: str) -> Path | None:
+    """--draft: 'none' -> None (plain decoding); None/'default' -> the shipped draft for this target if there is one
+    (a warning says so when there is none); otherwise a draft directory."""
+    if draft is not None and draft.lower() == "none":
+        return None
+    if draft in (None, "", "default"):
+        name = DEFAULT_DRAFTS.get(target_name)
+        path = packaged_models_dir() / name if name else None
+        if path is None or not (path / "config.json").is_file():
+            log.warning("no trained DFlash draft is shipped for target %r: falling back to plain decoding "
+                        "(--draft none). Train one with `blockdraft train` or pass --draft DIR.", target_name)
+            return None
+        return path
+    p = Path(draft).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"draft directory {p} not found (expected config.json + model.safetensors)")
+    return p
+
+
+def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", device: str = "cpu"):
+    """-> (TargetModel, TargetSource)."""
+    from .target import TargetModel
+
+    hf, tok, src = load_hf_target(target, dtype, device)
+    return TargetModel(hf, tok), src
+
+
+def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1):
+    """A SpeculativeEngine for the target with the draft at draft_path (None: plain decoding)."""
+    from .draft import DFlashDraftModel
+    from .engine import SpeculativeEngine
+    from .proposers.dflash import DFlashProposer
+
+    if draft_path is None:
+        return SpeculativeEngine(target_model)
+    draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
+    return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps))
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+    """Text (or chat messages) -> prompt token ids, through the target's own chat template by default."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    if not isinstance(prompt, str):
+        raise ValueError("a list of chat messages needs a chat template")
+    return tokenizer.encode(prompt)

