@@ -114,7 +114,7 @@ def cmd_init_draft(args) -> int:
         mask_token_id=args.mask_token_id if args.mask_token_id is not None
         else default_mask_token_id(target.tokenizer, target.vocab_size),
         num_target_features=args.num_target_features)
-    DFlashDraftModel(cfg).save_pretrained(args.out)
+    DFlashDraftModel(cfg).init_from_target(target).save_pretrained(args.out)
     print(json.dumps({"out": args.out, "layers": cfg.num_hidden_layers, "target_layer_ids": cfg.target_layer_ids,
                       "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size}))
     return 0

@@ -213,7 +213,7 @@ def make_draft(cfg: TrainConfig, target: TargetModel) -> DFlashDraftModel:
         target.tokenizer, target.vocab_size)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
                                     mask_token_id=mask_id, num_target_features=cfg.num_target_features)
-    return DFlashDraftModel(dcfg).float()
+    return DFlashDraftModel(dcfg).float().init_from_target(target)
 
 
 class _StopFlag:

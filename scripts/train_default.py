@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Train a DFlash draft for the embedded default target (SmolLM2-135M-Instruct) on this machine's budget.
+
+Data: every regenerated record under data/work/regen-smollm2/shards (target-written answers) plus the original
+ShareGPT first answers of the *training* prompt set (decontaminated, held-out split excluded), shuffled together.
+Resumable: re-running the same command continues from the newest checkpoint.
+
+    .venv/bin/python scripts/train_default.py --layers 3 --out runs/smollm2-l3 --minutes 60 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from blockdraft.loading import load_target
+from blockdraft.train.conversations import conversation_records
+from blockdraft.train.data import read_shards, sharegpt_conversations, validate_record
+from blockdraft.train.trainer import TrainConfig, train
+
+REGEN = Path("data/work/regen-smollm2")
+
+
+def complete_records(directory: Path) -> list[dict]:
+    """Records of the shards, skipping a final line still being written by a running regeneration."""
+    out = []
+    for path in sorted(directory.glob("shard-*.jsonl")):
+        with open(path, encoding="utf-8") as f:  # file iteration splits on "\n" only (not on U+2028 in strings)
+            lines = list(f)
+        for line in lines:
+            if line.endswith("\n") and line.strip():
+                out.append(validate_record(json.loads(line), str(path)))
+    return out
+
+
+def build_records(tokenizer, max_len: int, n_raw: int, seed: int) -> list[dict]:
+    regen = complete_records(REGEN / "shards") if (REGEN / "shards").is_dir() else []
+    for r in regen:
+        r["input_ids"], r["loss_mask"] = r["input_ids"][:max_len], r["loss_mask"][:max_len]
+    train_ids = set()
+    with open(REGEN / "prompts-train.jsonl", encoding="utf-8") as f:
+        pids = [json.loads(line)["id"] for line in f if line.strip()]
+    for pid in pids:
+        if pid.startswith("sharegpt/"):
+            train_ids.add(pid.removeprefix("sharegpt/"))
+    done = {r["id"].removeprefix("sharegpt/") for r in regen}
+    convs = [(cid, m) for cid, m in sharegpt_conversations() if cid in train_ids and cid not in done]
+    random.Random(seed).shuffle(convs)
+    raw = conversation_records(tokenizer, convs[: n_raw * 2], max_len)[:n_raw]
+    for r in raw:
+        r["id"] = "raw/" + r["id"]
+    recs = regen + raw
+    random.Random(seed).shuffle(recs)
+    logging.info("training records: %d regenerated + %d original ShareGPT answers", len(regen), len(raw))
+    return recs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--n-raw", type=int, default=4000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    target, _ = load_target(None, "bf16")
+    recs = build_records(target.tokenizer, args.max_len, args.n_raw, args.seed)
+    held = list(read_shards(REGEN / "shards-heldout"))
+    cfg = TrainConfig(data=str(REGEN), out_dir=args.out, num_layers=args.layers, block_size=16,
+                      num_anchors=args.anchors, batch_size=args.batch_size, max_steps=args.steps,
+                      max_seq_len=args.max_len, save_every=50, keep_last=2, eval_every=0, eval_prompts=6,
+                      eval_max_new_tokens=96, log_every=10, seed=args.seed, dtype="bf16")
+    summary = train(cfg, target=target, records=recs, heldout=held, resume=args.resume)
+    summary.pop("losses", None)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

