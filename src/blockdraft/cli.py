@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     _train_args(t)
     t.set_defaults(func=cmd_train)
+
+    from .eval.bench import register as register_bench
+
+    register_bench(sub)
     return p
 
 

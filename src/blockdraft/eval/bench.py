@@ -1,0 +1,640 @@
+"""`blockdraft bench`: paired speed benchmark of decoding methods on one shared target.
+
+Methods:
+- `ar`: the engine with no proposer (plain autoregressive decoding), the baseline of every ratio;
+- `dflash`: the engine with the DFlash draft (skipped, with a note, when there is no draft);
+- `pld`: the engine with prompt-lookup drafting (`PromptLookupProposer`);
+- `hf-pld`: Hugging Face `generate(prompt_lookup_num_tokens=...)` on the same HF model, an external reference
+  (greedy only, end-to-end time only).
+
+Fairness: one target instance serves every method; one short warm-up generation per method is not measured;
+methods run prompt by prompt in a rotating order so that machine drift hits all of them alike. Every ratio is
+paired: the same prompt (and turn, and temperature) decoded by the method and by `ar`.
+
+Outputs in --out: results.json (config, machine, every per-prompt record, the summary), report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import metrics
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "dflash", "pld", "hf-pld")
+ENGINE_METHODS = ("ar", "dflash", "pld")
+DRAFTING_METHODS = ("dflash", "pld")  # methods with accept-length / per-position statistics
+QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str | None = None  # HF id, local dir, .gguf, or None for the packaged default
+    draft: str | None = None  # draft dir, 'none', or None for the target's shipped draft
+    tasks: tuple[str, ...] = ("math", "code", "chat")
+    methods: tuple[str, ...] = METHODS
+    n: int | None = 20  # prompts per task (None: all)
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0,)
+    block_size: int | None = None  # None: the draft's trained size (16 for pld)
+    denoise_steps: int = 1
+    dtype: str = "bf16"
+    seed: int = 0
+    prompts: str | None = None  # a user JSONL prompt file instead of the built-in tasks
+    quick: bool = False  # 2 prompts per task, 64 new tokens, temperature 0
+    multi_turn: bool = False  # also ask a prompt's second turn after ar's first answer
+    out: str = "bench-results"
+    pld_max_ngram: int = 3
+    pld_num_pred: int | None = None
+    hf_pld_tokens: int = 10
+    threads: int | None = None
+    warmup: bool = True
+    progress: bool = True
+    plots: bool = True
+    command: str | None = None  # the command line, recorded in results.json
+
+    def resolved(self) -> "BenchConfig":
+        """Apply --quick and check the values."""
+        cfg = dataclasses.replace(self, **QUICK) if self.quick else self
+        bad = [m for m in cfg.methods if m not in METHODS]
+        if bad or not cfg.methods:
+            raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+        if cfg.prompts is None:
+            from .tasks import TASKS
+
+            badt = [t for t in cfg.tasks if t not in TASKS]
+            if badt or not cfg.tasks:
+                raise ValueError(f"unknown task(s) {badt}; choose from {sorted(TASKS)}")
+        if not cfg.temperatures or any(not (t >= 0 and math.isfinite(t)) for t in cfg.temperatures):
+            raise ValueError(f"temperatures must be finite numbers >= 0, got {cfg.temperatures}")
+        if cfg.n is not None and cfg.n < 1:
+            raise ValueError(f"--n must be >= 1, got {cfg.n}")
+        if cfg.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+        return cfg
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:  # pragma: no cover
+        tf = None
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": tf,
+            "threads": torch.get_num_threads(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def _fmt_t(t: float) -> str:
+    return f"{t:g}"
+
+
+def _clean(x):
+    """JSON-safe copy: NaN/inf -> None (json.dump would write bare NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two different outputs part (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _rotate(xs: list, k: int) -> list:
+    k %= len(xs)
+    return xs[k:] + xs[:k]
+
+
+@dataclass
+class _Item:
+    index: int  # seeds sampling (seed + index) and the method rotation
+    prompt: object  # tasks.base.Prompt
+    turn: int
+    ids: list[int]
+    messages: list[dict] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------------ runners
+class _Runner:
+    """Holds the shared target, the engines and the HF model; runs one method on one prompt."""
+
+    def __init__(self, cfg: BenchConfig, target, tokenizer, engines: dict, block_sizes: dict) -> None:
+        self.cfg, self.target, self.tok, self.engines, self.block_sizes = cfg, target, tokenizer, engines, block_sizes
+
+    def run(self, method: str, ids: list[int], temperature: float, seed: int, max_new_tokens: int) -> dict:
+        if method == "hf-pld":
+            return self._run_hf(ids, max_new_tokens)
+        from ..config import GenerationConfig, SamplingParams
+
+        sampling = SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, seed=seed)
+        gcfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=self.cfg.block_size,
+                                denoise_steps=self.cfg.denoise_steps)
+        t0 = time.perf_counter()
+        res = self.engines[method].generate(ids, gcfg, sampling)
+        e2e = time.perf_counter() - t0
+        s = res.stats
+        return {"token_ids": res.token_ids, "text": res.text, "finish_reason": res.finish_reason,
+                "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens, "tau": s.tau,
+                "accept_lengths": list(s.accept_lengths), "position_accepted": list(s.position_accepted),
+                "position_trials": list(s.position_trials), "target_forwards": s.target_forwards,
+                "decode_tokens_per_s": s.decode_tokens_per_s, "e2e_seconds": e2e,
+                "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+                "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds}
+
+    def _run_hf(self, ids: list[int], max_new_tokens: int) -> dict:
+        import torch
+
+        hf = self.target.hf
+        eos = list(self.target.eos_token_ids)
+        inp = torch.tensor([ids], dtype=torch.long, device=self.target.device)
+        kw = dict(attention_mask=torch.ones_like(inp), prompt_lookup_num_tokens=self.cfg.hf_pld_tokens,
+                  do_sample=False, max_new_tokens=max_new_tokens, temperature=None, top_p=None, top_k=None)
+        if eos:
+            kw.update(eos_token_id=eos, pad_token_id=eos[0])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(inp, **kw)
+        e2e = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        stop = next((i for i, t in enumerate(new) if t in eos), None)
+        if stop is not None:
+            del new[stop + 1:]
+        text = self.tok.decode(new, skip_special_tokens=True) if self.tok is not None else ""
+        return {"token_ids": new, "text": text, "finish_reason": "stop" if stop is not None else "length",
+                "prompt_tokens": len(ids), "new_tokens": len(new), "tau": None, "accept_lengths": None,
+                "position_accepted": None, "position_trials": None, "target_forwards": None,
+                "decode_tokens_per_s": None, "e2e_seconds": e2e, "prefill_seconds": None, "decode_seconds": None,
+                "draft_seconds": None, "verify_seconds": None}
+
+
+def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
+    """-> (target, target_name, tokenizer, engines, methods, block_sizes, draft_desc)."""
+    from ..engine import SpeculativeEngine
+    from ..loading import build_engine, load_target, resolve_draft
+    from ..proposers.lookup import PromptLookupProposer
+
+    if target is None:
+        target, src = load_target(cfg.target, cfg.dtype)
+        target_name = src.name
+    else:
+        target_name = cfg.target or type(getattr(target, "hf", target)).__name__
+    tok = tokenizer if tokenizer is not None else target.tokenizer
+    methods = [m for m in METHODS if m in cfg.methods]  # canonical order
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+        notes.append("`ar` added: it is the baseline of every ratio")
+    engines = {"ar": SpeculativeEngine(target, None, tok)}
+    block_sizes = {"ar": 1}
+    draft_desc = None
+    if "dflash" in methods:
+        eng = None
+        if draft is None:
+            path = resolve_draft(cfg.draft, target_name)
+            if path is not None:
+                eng = build_engine(target, path, cfg.block_size, cfg.denoise_steps)
+                draft_desc = str(path)
+        elif isinstance(draft, (str, Path)):
+            eng = build_engine(target, Path(draft), cfg.block_size, cfg.denoise_steps)
+            draft_desc = str(draft)
+        else:  # an already-built DFlashDraftModel
+            from ..proposers.dflash import DFlashProposer
+
+            eng = SpeculativeEngine(target, DFlashProposer(draft, target, cfg.block_size, cfg.denoise_steps), tok)
+            draft_desc = f"<{type(draft).__name__}>"
+        if eng is None:
+            methods.remove("dflash")
+            notes.append(f"dflash skipped: no draft for target {target_name!r} (--draft {cfg.draft or 'default'})")
+        else:
+            eng.tokenizer = tok
+            engines["dflash"] = eng
+            block_sizes["dflash"] = cfg.block_size or eng.proposer.block_size
+    if "pld" in methods:
+        prop = PromptLookupProposer(max_ngram=cfg.pld_max_ngram, num_pred=cfg.pld_num_pred,
+                                    block_size=cfg.block_size or 16)
+        engines["pld"] = SpeculativeEngine(target, prop, tok)
+        block_sizes["pld"] = prop.block_size
+    if "hf-pld" in methods and not hasattr(getattr(target, "hf", None), "generate"):
+        methods.remove("hf-pld")
+        notes.append("hf-pld skipped: the target has no Hugging Face `generate`")
+    return target, target_name, tok, engines, methods, block_sizes, draft_desc
+
+
+def _load_prompts(cfg: BenchConfig, prompts, notes: list[str]) -> list:
+    from .tasks import load_prompts_file, load_task
+
+    if prompts is not None:
+        return list(prompts)
+    if cfg.prompts:
+        ps = load_prompts_file(cfg.prompts)
+        if cfg.n is not None and len(ps) > cfg.n:
+            notes.append(f"{cfg.prompts}: first {cfg.n} of {len(ps)} prompts")
+            ps = ps[: cfg.n]
+        return ps
+    out = []
+    for t in cfg.tasks:
+        out.extend(load_task(t, n=cfg.n, seed=cfg.seed))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- run_bench
+def run_bench(cfg: BenchConfig, *, target=None, tokenizer=None, draft=None, prompts=None) -> dict:
+    """Run the benchmark and write results.json, report.md and plots into cfg.out; return the results dict.
+
+    target: an already-built TargetModel (default: load cfg.target in cfg.dtype); tokenizer: the one that encodes
+    prompts (apply_chat_template / encode) and decodes answers (default: the target's); draft: a DFlashDraftModel or
+    a draft directory (default: resolve cfg.draft); prompts: Prompt objects (default: cfg.prompts or cfg.tasks)."""
+    import torch
+
+    cfg = cfg.resolved()
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_bench(cfg, target, tokenizer, draft, prompts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
+    import torch
+
+    from ..loading import encode_prompt
+
+    t_start = time.perf_counter()
+    machine = machine_info()
+    notes: list[str] = []
+    target, target_name, tok, engines, methods, block_sizes, draft_desc = _build(cfg, target, tokenizer, draft, notes)
+    runner = _Runner(cfg, target, tok, engines, block_sizes)
+
+    items: list[_Item] = []
+    for p in _load_prompts(cfg, prompts, notes):
+        ids = encode_prompt(tok, p.messages)
+        if len(ids) >= target.max_context - 1:
+            notes.append(f"{p.id} skipped: {len(ids)} prompt tokens do not fit the context ({target.max_context})")
+            continue
+        items.append(_Item(len(items), p, 1, ids, list(p.messages)))
+    if not items:
+        raise ValueError("no prompts to benchmark")
+    n_second = sum(1 for it in items if cfg.multi_turn and it.prompt.extra_turns)
+    if any(t > 0 for t in cfg.temperatures) and "hf-pld" in methods:
+        notes.append("hf-pld runs at temperature 0 only (greedy reference)")
+
+    from tqdm import tqdm
+
+    per_temp = {t: [m for m in methods if not (m == "hf-pld" and t > 0)] for t in cfg.temperatures}
+    total = sum(len(ms) * (len(items) + n_second) for ms in per_temp.values())
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress, dynamic_ncols=True)
+    records: list[dict] = []
+
+    def run_item(item: _Item, temp: float, ms: list[str]) -> dict:
+        out = {}
+        for k, m in enumerate(_rotate(ms, item.index + item.turn - 1)):
+            bar.set_postfix_str(f"T={_fmt_t(temp)} {item.prompt.id} turn {item.turn} {m}", refresh=False)
+            r = runner.run(m, item.ids, temp, cfg.seed + item.index, cfg.max_new_tokens)
+            r.update(temperature=temp, task=item.prompt.task, prompt_id=item.prompt.id, prompt_index=item.index,
+                     turn=item.turn, method=m, run_order=k)
+            out[m] = r
+            bar.update(1)
+        ref = out["ar"]["token_ids"]
+        for m, r in out.items():
+            r["match_ar"] = None if m == "ar" else r["token_ids"] == ref
+            r["first_mismatch"] = None if m == "ar" or r["match_ar"] else _first_mismatch(r["token_ids"], ref)
+        records.extend(out[m] for m in ms)
+        return out
+
+    try:
+        with torch.no_grad():
+            for temp in cfg.temperatures:
+                ms = per_temp[temp]
+                if cfg.warmup:  # compile-free, but first calls allocate caches and touch every weight
+                    for m in ms:
+                        runner.run(m, items[0].ids, temp, cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))
+                for item in items:
+                    first = run_item(item, temp, ms)
+                    if cfg.multi_turn and item.prompt.extra_turns:
+                        msgs = item.messages + [{"role": "assistant", "content": first["ar"]["text"]},
+                                                {"role": "user", "content": item.prompt.extra_turns[0]}]
+                        ids2 = encode_prompt(tok, msgs)
+                        if len(ids2) >= target.max_context - 1:
+                            notes.append(f"{item.prompt.id} turn 2 skipped: does not fit the context")
+                            bar.update(len(ms))
+                            continue
+                        run_item(_Item(item.index, item.prompt, 2, ids2, msgs), temp, ms)
+    finally:
+        bar.close()
+
+    summary = summarize_records(records, methods, block_sizes, cfg.temperatures)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "config": dataclasses.asdict(cfg), "command": cfg.command or shlex.join(sys.argv),
+        "machine": machine, "target": target_name, "draft": draft_desc, "methods": methods,
+        "block_sizes": block_sizes, "notes": notes, "summary": summary, "records": records,
+        "wall_seconds": None, "files": [],
+    }
+    files = ["results.json", "report.md"]
+    if cfg.plots:
+        files += make_plots(summary, methods, out_dir)
+    results["files"] = files
+    results["wall_seconds"] = time.perf_counter() - t_start
+    results = _clean(results)
+    (out_dir / "report.md").write_text(render_report(results), encoding="utf-8")
+    with open(out_dir / "results.json", "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------- summary
+def summarize_records(records: list[dict], methods: list[str], block_sizes: dict, temperatures) -> dict:
+    """{temperature: {"tasks": [...], "rows": [one per (task or 'all', method)]}} from per-prompt records."""
+    out = {}
+    for temp in temperatures:
+        recs = [r for r in records if r["temperature"] == temp]
+        tasks = list(dict.fromkeys(r["task"] for r in recs))
+        groups = [(t, [r for r in recs if r["task"] == t]) for t in tasks]
+        if len(tasks) > 1:
+            groups.append(("all", recs))
+        rows = []
+        for task, rs in groups:
+            by_m = {m: {(r["task"], r["prompt_id"], r["turn"]): r for r in rs if r["method"] == m} for m in methods}
+            ar = by_m["ar"]
+            for m in methods:
+                mine = by_m[m]
+                if not mine:
+                    continue
+                rows.append(_row(task, m, mine, ar, block_sizes.get(m)))
+        out[_fmt_t(temp)] = {"temperature": temp, "tasks": tasks, "rows": rows}
+    return out
+
+
+def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -> dict:
+    rs = list(mine.values())
+    tps = {k: r["decode_tokens_per_s"] for k, r in mine.items()}
+    e2e = {k: r["e2e_seconds"] for k, r in mine.items()}
+    row = {
+        "task": task, "method": method, "n": len(rs),
+        "new_tokens_mean": sum(r["new_tokens"] for r in rs) / len(rs),
+        "e2e_seconds_total": sum(e2e.values()),
+        "decode_tokens_per_s": metrics.summarize(v for v in tps.values() if v is not None),
+        "decode_speedup": None, "e2e_speedup": None, "tau": None, "draft_share": None,
+        "match_rate": metrics.match_rate(r.get("match_ar") for r in rs) if method != "ar" else None,
+        "accept_hist": None, "position_rate": None, "position_accepted": None, "position_trials": None,
+    }
+    if method != "ar":
+        ar_tps = {k: r["decode_tokens_per_s"] for k, r in ar.items()}
+        ar_e2e = {k: r["e2e_seconds"] for k, r in ar.items()}
+        if all(v is not None for v in tps.values()):
+            row["decode_speedup"] = metrics.throughput_speedup(tps, ar_tps)
+        row["e2e_speedup"] = metrics.time_speedup(e2e, ar_e2e)
+    if rs[0]["accept_lengths"] is not None:
+        row["tau"] = metrics.pooled_tau(r["accept_lengths"] for r in rs)
+        row["draft_share"] = metrics.share((r["draft_seconds"] for r in rs), (r["decode_seconds"] for r in rs))
+        if method in DRAFTING_METHODS and block_size:
+            steps = [a for r in rs for a in r["accept_lengths"]]
+            row["accept_hist"] = metrics.accept_length_histogram(steps, block_size)
+            acc, tri = metrics.sum_position_counts((r["position_accepted"], r["position_trials"]) for r in rs)
+            row["position_accepted"], row["position_trials"] = acc, tri
+            row["position_rate"] = metrics.position_acceptance(acc, tri, block_size - 1)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def _num(x, fmt="{:.2f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _spd(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "—"
+    return f"{s['median']:.2f}× [{s['min']:.2f}–{s['max']:.2f}]"
+
+
+def render_report(results: dict) -> str:
+    m = results["machine"]
+    cfg = results["config"]
+    lines = ["# blockdraft bench", "",
+             f"- target: `{results['target']}` ({cfg['dtype']}), draft: `{results['draft']}`, "
+             f"methods: {', '.join(results['methods'])}",
+             f"- prompts: {'file ' + str(cfg['prompts']) if cfg['prompts'] else ', '.join(cfg['tasks'])}; "
+             f"n={cfg['n']} per task, max_new_tokens={cfg['max_new_tokens']}, block_size={cfg['block_size'] or 'default'},"
+             f" denoise_steps={cfg['denoise_steps']}, seed={cfg['seed']}, multi_turn={cfg['multi_turn']}",
+             f"- machine: {m['cpu']} ({m['cpu_count']} CPUs, {m['threads']} torch threads), torch {m['torch']}, "
+             f"transformers {m['transformers']}, {m['date']}",
+             f"- command: `{results['command']}`",
+             f"- wall time: {results['wall_seconds']:.1f} s", ""]
+    for note in results["notes"]:
+        lines.append(f"> note: {note}")
+    if results["notes"]:
+        lines.append("")
+    lines += ["Speedups are paired per prompt against `ar` (same prompt, turn and temperature): decode = ratio of "
+              "decode tokens/s (prefill and its token excluded), e2e = ratio of end-to-end generate time; "
+              "median [min–max]. decode tok/s is the median over prompts. draft share = drafting time / decode "
+              "time. match = share of prompts whose output tokens equal `ar`'s (bf16 kernels may flip near-ties; "
+              "in fp32 greedy outputs are identical; at T>0 outputs are equal only in distribution).", ""]
+    for tkey, block in results["summary"].items():
+        temp = block["temperature"]
+        lines += [f"## Temperature {tkey}", "",
+                  "| task | method | n | tau | decode tok/s | decode speedup | e2e speedup | draft share | match |",
+                  "|---|---|---:|---:|---:|---|---|---:|---:|"]
+        for r in block["rows"]:
+            match = "—" if r["match_rate"] is None or temp > 0 else f"{r['match_rate']:.0%}"
+            share = "—" if r["draft_share"] is None or r["method"] == "ar" else f"{r['draft_share']:.0%}"
+            lines.append(f"| {r['task']} | {r['method']} | {r['n']} | {_num(r['tau'])} | "
+                         f"{_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
+                         f"{_spd(r['decode_speedup'])} | {_spd(r['e2e_speedup'])} | {share} | {match} |")
+        lines.append("")
+        for meth in DRAFTING_METHODS:
+            rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
+            if not rows:
+                continue
+            npos = max(len(r["position_rate"]) for r in rows)
+            lines += [f"### Per-position acceptance ({meth}, T={tkey})", "",
+                      "Acceptance rate of draft position i (accepted / verified); — = never verified.", "",
+                      "| task | " + " | ".join(str(i + 1) for i in range(npos)) + " |",
+                      "|---|" + "---:|" * npos]
+            for r in rows:
+                lines.append(f"| {r['task']} | " + " | ".join(_num(x) for x in r["position_rate"]) + " |")
+            lines.append("")
+    plots = [f for f in results["files"] if f.endswith(".png")]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{f}]({f})" for f in plots] + [""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+def make_plots(summary: dict, methods: list[str], out_dir: Path) -> list[str]:
+    """Speedup bars per task and method, accept-length histograms and per-position acceptance curves per task
+    (for the drafting methods). Returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for tkey, block in summary.items():
+        rows = block["rows"]
+        groups = list(dict.fromkeys(r["task"] for r in rows))
+        others = [m for m in methods if m != "ar" and any(r["method"] == m for r in rows)]
+        if others:
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+            for ax, key, title in ((axes[0], "decode_speedup", "decode tok/s speedup vs ar"),
+                                   (axes[1], "e2e_speedup", "end-to-end speedup vs ar")):
+                def stat(g, m, key=key):
+                    r = next((r for r in rows if r["task"] == g and r["method"] == m), None)
+                    st = r[key] if r else None
+                    return st if st and st.get("median") is not None else None
+
+                present = [m for m in others if any(stat(g, m) for g in groups)]
+                width = 0.8 / max(1, len(present))
+                for j, m in enumerate(present):
+                    xs, ys, lo, hi = [], [], [], []
+                    for i, g in enumerate(groups):
+                        st = stat(g, m)
+                        if st:
+                            xs.append(i + (j - (len(present) - 1) / 2) * width)
+                            ys.append(st["median"])
+                            lo.append(st["median"] - st["min"])
+                            hi.append(st["max"] - st["median"])
+                    ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=m, color=f"C{methods.index(m)}")
+                ax.axhline(1.0, color="k", lw=0.8, ls="--")
+                ax.set_xticks(range(len(groups)), groups)
+                ax.set_title(f"{title} (T={tkey})")
+                ax.set_ylabel("median speedup [min–max]")
+                if present:
+                    ax.legend()
+            fig.tight_layout()
+            name = f"speedup_T{tkey}.png"
+            fig.savefig(out_dir / name, dpi=100)
+            plt.close(fig)
+            files.append(name)
+        for m in DRAFTING_METHODS:
+            drows = [r for r in rows if r["method"] == m and r["accept_hist"] is not None]
+            if not drows:
+                continue
+            fig, axes = plt.subplots(1, len(drows), figsize=(3.2 * len(drows), 3), squeeze=False)
+            for ax, r in zip(axes[0], drows):
+                h = r["accept_hist"]
+                tot = sum(h) or 1
+                ax.bar(range(1, len(h) + 1), [c / tot for c in h])
+                ax.set_title(f"{r['task']} (tau {r['tau']:.2f})")
+                ax.set_xlabel("tokens committed per step")
+            axes[0][0].set_ylabel("share of verify steps")
+            fig.suptitle(f"accept lengths, {m}, T={tkey}")
+            fig.tight_layout()
+            name = f"accept_hist_{m}_T{tkey}.png"
+            fig.savefig(out_dir / name, dpi=100)
+            plt.close(fig)
+            files.append(name)
+
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            for r in drows:
+                rate = [math.nan if x is None else x for x in r["position_rate"]]
+                ax.plot(range(1, len(rate) + 1), rate, marker="o", ms=3, label=r["task"])
+            ax.set_xlabel("draft position")
+            ax.set_ylabel("acceptance rate")
+            ax.set_ylim(0, 1.02)
+            ax.set_title(f"per-position acceptance, {m}, T={tkey}")
+            ax.legend()
+            fig.tight_layout()
+            name = f"position_accept_{m}_T{tkey}.png"
+            fig.savefig(out_dir / name, dpi=100)
+            plt.close(fig)
+            files.append(name)
+    return files
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def _csv(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in _csv(s))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to the CLI's subparsers."""
+    p = subparsers.add_parser("bench", help="paired speed benchmark: ar vs dflash vs prompt lookup",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="draft directory, 'none' (skip dflash), default: the shipped one")
+    p.add_argument("--tasks", type=_csv, default=BenchConfig.tasks, help="comma list of math,code,chat")
+    p.add_argument("--methods", type=_csv, default=BenchConfig.methods, help="comma list of " + ",".join(METHODS))
+    p.add_argument("--n", type=int, default=BenchConfig.n, help="prompts per task (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperatures", type=_floats, default=None, help="comma list, e.g. 0,1 (overrides --temperature)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--denoise-steps", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default=None, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
+    p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")
+    p.add_argument("--multi-turn", action="store_true", help="also ask MT-Bench's second turn after ar's answer")
+    p.add_argument("--pld-max-ngram", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default=BenchConfig.out, help="output directory")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def config_from_args(args) -> BenchConfig:
+    temps = args.temperatures if args.temperatures is not None else (args.temperature,)
+    return BenchConfig(target=args.target, draft=args.draft, tasks=tuple(args.tasks), methods=tuple(args.methods),
+                       n=args.n or None, max_new_tokens=args.max_new_tokens, temperatures=tuple(temps),
+                       block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype, seed=args.seed,
+                       prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
+                       pld_max_ngram=args.pld_max_ngram, threads=args.threads, plots=not args.no_plots,
+                       progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
+
+
+def cmd_bench(args) -> int:
+    results = run_bench(config_from_args(args))
+    for note in results["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    for tkey, block in results["summary"].items():
+        overall = "all" if len(block["tasks"]) > 1 else block["tasks"][0]
+        for r in block["rows"]:
+            if r["task"] == overall:
+                print(f"T={tkey} {r['task']:>5} {r['method']:>7}: tau {_num(r['tau'])}, decode speedup "
+                      f"{_spd(r['decode_speedup'])}, e2e speedup {_spd(r['e2e_speedup'])}")
+    out = Path(results["config"]["out"])
+    print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {len(results['files']) - 2} plots")
+    return 0

