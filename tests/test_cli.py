@@ -53,3 +53,39 @@ def test_streaming_output_and_errors(tiny_dir, tmp_path):
     long_prompt = "word " * 400
     too_long = run("generate", "--target", tiny_dir, "--draft", "none", long_prompt, check=False)
     assert too_long.returncode == 2 and "context" in too_long.stderr
+
+
+def test_train_checkpoints_on_sigterm_and_resumes(tiny_dir, tmp_path):
+    """A killed training run (SIGTERM) leaves a complete checkpoint, and --resume carries on to the end."""
+    import signal
+    import time
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    g = torch.Generator().manual_seed(0)
+    with open(shards / "shard-00000.jsonl", "w") as f:
+        for i in range(8):
+            ids = torch.randint(20, 1000, (40,), generator=g).tolist()
+            f.write(json.dumps({"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * 10 + [1] * 30}) + "\n")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "blockdraft.cli", "train", "--target", str(tiny_dir), "--data", str(shards),
+            "--out-dir", str(out), "--num-layers", "1", "--block-size", "4", "--num-anchors", "4",
+            "--batch-size", "1", "--max-steps", "100000", "--save-every", "100000", "--log-every", "1",
+            "--dtype", "fp32"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "state.json").is_file()
+    step = json.loads((ckpts[0] / "state.json").read_text())["step"]
+    assert step >= 3 and (out / "draft" / "config.json").is_file()
+    fresh = run(*args[3:], check=False)
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr  # never silently overwrites a run
+    args[args.index("--max-steps") + 1] = str(step + 2)
+    done = run(*args[3:], "--resume")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == step + 2

@@ -196,6 +196,10 @@ def load_checkpoint(ckpt: Path, draft: DFlashDraftModel, opt, sched) -> dict:
 
 # --------------------------------------------------------------------------------------------------- the loop
 def _dist_info() -> tuple[int, int]:
+    """(rank, world size). Under torchrun (WORLD_SIZE > 1) the process group is created here: NCCL on GPUs,
+    gloo on CPU."""
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
