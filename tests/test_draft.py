@@ -29,6 +29,7 @@ def _run(target, draft, feats, block):
 def test_default_layer_ids_spread_from_1_to_L_minus_3():
     assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(5, 3) == [0, 2, 4]  # 1..L-3 is too short for 3 distinct layers
 
 
 def test_context_is_visible_and_block_is_bidirectional(target: TargetModel):

@@ -27,14 +27,21 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """K layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as the paper and the public drafts do;
-    the last layers are skipped because their states are already specialised to the target's own next token)."""
+    """K distinct layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as the paper and the public
+    drafts do; the last layers are skipped because their states are already specialised to the target's own next
+    token). A target too shallow for that range uses all of its layers 0..L-1."""
     if num_features < 1:
         raise ValueError("need at least one target feature layer")
+    if num_features > num_target_layers:
+        raise ValueError(f"{num_features} feature layers requested but the target has {num_target_layers}")
     if num_features == 1:
         return [num_target_layers // 2]
-    start, end = 1, max(1, num_target_layers - 3)
-    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    start, end = 1, num_target_layers - 3
+    if end - start + 1 < num_features:
+        start, end = 0, num_target_layers - 1
+    ids = [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    assert len(set(ids)) == num_features, ids
+    return ids
 
 
 @dataclass
