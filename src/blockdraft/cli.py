@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.bench import register as register_bench
 
     register_bench(sub)
+
+    from .serve.app import register as register_serve
+
+    register_serve(sub)
     return p
 
 

@@ -147,6 +147,34 @@ class TargetModel(nn.Module):
     # no_grad rather than inference_mode: the training pipeline feeds these features into modules that save
     # their inputs for backward, which inference tensors forbid.
     @torch.no_grad()
+    def hidden(self, ids: torch.Tensor, cache: TargetCache | None, *, positions: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None, tap: bool = True):
+        """Final hidden states (before the LM head) and tapped features of new tokens.
+
+        ids: [B, T]; positions: [B, T] (default: cache.length .. cache.length + T - 1 for every row);
+        attention_mask: [B, cache slots + T] (1 = visible), for batches whose rows have holes or padding.
+        Returns (hidden [B, T, H], features [B, T, K*H] or None).
+        """
+        assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        assert positions.shape == ids.shape, "positions must be [B, T] like ids"
+        self._captured = {} if (tap and self.layer_ids) else None
+        try:
+            kw = {self._cache_kw: cache.hf} if cache is not None else {}
+            if attention_mask is not None:
+                kw["attention_mask"] = attention_mask
+            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=cache is not None, **kw)
+            captured = self._captured
+        finally:
+            self._captured = None
+        feats = None
+        if captured is not None:
+            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        return out.last_hidden_state, feats
+
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: TargetCache | None, *, last_only: bool = False,
                 tap: bool = True) -> TargetOutput:
         """Run the target over new tokens appended after the cache.
@@ -155,19 +183,6 @@ class TargetModel(nn.Module):
         last_only: compute logits for the last position only (prefill), saving a [T, V] LM-head product.
         tap: capture the tapped layers' outputs as features [B, T, K*H].
         """
-        assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        self._captured = {} if (tap and self.layer_ids) else None
-        try:
-            kw = {self._cache_kw: cache.hf} if cache is not None else {}
-            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=cache is not None, **kw)
-            captured = self._captured
-        finally:
-            self._captured = None
-        hidden = out.last_hidden_state
+        hidden, feats = self.hidden(ids, cache, tap=tap)
         logits = self.logits(hidden[:, -1:] if last_only else hidden)
-        feats = None
-        if captured is not None:
-            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
         return TargetOutput(logits=logits, features=feats)
