@@ -161,3 +161,30 @@ def test_bad_input_is_a_clear_error(llama_target):
             SamplingParams(**bad)
     with pytest.raises(ValueError):
         GenerationConfig(max_new_tokens=0)
+
+
+def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
+    """A draft proposing among 20 of the 99 tokens: greedy output is still the target's, and the vocabulary
+    mapping survives save/load (stored as vLLM's `d2t` offsets)."""
+    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+
+    cfg = DFlashConfig.from_target(llama_target.config, num_hidden_layers=1, block_size=8, mask_token_id=98,
+                                   num_target_features=2, draft_vocab_size=20)
+    draft = DFlashDraftModel(cfg).eval()
+    ids = torch.arange(0, 99, 5)[:20]
+    draft.set_draft_vocab(ids)
+    assert draft.vocab_ids.tolist() == ids.tolist()
+    draft.save_pretrained(tmp_path, dtype=torch.float32)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.vocab_ids.tolist() == ids.tolist() and loaded.d2t.dtype == torch.long
+    prompt = _prompt(7)
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    eng = SpeculativeEngine(llama_target, DFlashProposer(loaded, llama_target))
+    res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    assert res.token_ids == ref
+    prop = DFlashProposer(loaded, llama_target)
+    prop.start(prompt, llama_target(prompt.unsqueeze(0), None).features)
+    p = prop.propose(torch.cat([prompt, torch.tensor([ref[0]])]), 7, SamplingParams(temperature=1.0),
+                     torch.Generator().manual_seed(0))
+    assert set(p.tokens.tolist()) <= set(ids.tolist())
+    assert p.probs.shape == (7, 99) and torch.allclose(p.probs[:, ids].sum(-1), torch.ones(7))

@@ -113,3 +113,16 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
         TrainConfig.from_yaml(str(p))
     p.write_text("num_layers: 2\nblock_size: 8\n")
     assert TrainConfig.from_yaml(str(p), lr=1e-3).lr == 1e-3
+
+
+def test_reduced_vocabulary_training(tiny, tmp_path):
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.train.trainer import frequent_tokens
+
+    recs = regenerated(tiny, 6, seed=8, new_tokens=24)
+    top = frequent_tokens(recs, 10, 99, always=(97,))
+    assert top.numel() == 10 and 97 in top.tolist() and torch.equal(top, top.sort().values)
+    summary = train(_cfg(tmp_path, draft_vocab_size=10, max_steps=4), target=tiny, records=recs, progress=False)
+    assert all(l == l for l in summary["losses"])  # finite, no NaN
+    d = DFlashDraftModel.from_pretrained(summary["out"])
+    assert d.config.draft_vocab_size == 10 and d.vocab_ids.tolist() == top.tolist()

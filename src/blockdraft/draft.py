@@ -61,6 +61,9 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
+    # Reduced draft vocabulary: the draft proposes only among these many target tokens (its LM-head rows are the
+    # target's rows at `d2t`-mapped ids, saved as the `d2t` tensor, vLLM's convention); None = the full vocabulary.
+    draft_vocab_size: int | None = None
     # blockdraft's own metadata (training recipe, provenance), saved under "blockdraft" in config.json.
     extra: dict = field(default_factory=dict)
 
@@ -71,6 +74,10 @@ class DFlashConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
         if self.block_size < 2:
             raise ValueError("a DFlash draft needs block_size >= 2")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        if self.draft_vocab_size == self.vocab_size:
+            self.draft_vocab_size = None
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
 
     @property
@@ -115,6 +122,7 @@ class DFlashConfig:
             "intermediate_size": self.intermediate_size,
             "hidden_act": self.hidden_act,
             "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
@@ -153,6 +161,7 @@ class DFlashConfig:
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=dict(d.get("blockdraft") or {}),
+            draft_vocab_size=d.get("draft_vocab_size"),
         )
 
 
@@ -244,6 +253,9 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.draft_vocab_size is not None:
+            # target id = draft id + d2t[draft id] (vLLM's convention for reduced draft vocabularies)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -254,11 +266,11 @@ class DFlashDraftModel(nn.Module):
                 nn.init.ones_(m.weight)
 
     @torch.no_grad()
-    def init_from_target(self, target, scale: float = 0.1) -> "DFlashDraftModel":
-        """Start the final norm at `scale` x the target's final-norm weights. The draft's output feeds the target's
-        LM head, so its per-channel scale should follow the target's; the 0.1 damping makes the untrained draft's
-        logits near-uniform (measured on SmolLM2: initial loss ~12 vs ~45 at scale 1, ln V = 10.8), which avoids
-        a first phase of huge gradients."""
+    def init_from_target(self, target, scale: float = 1.0) -> "DFlashDraftModel":
+        """Start the final norm at the target's final-norm weights: the draft's output feeds the target's LM head,
+        so it should begin at the per-channel scale that head expects. (A damped start such as 0.1x gives a
+        near-uniform first loss but then caps the logit scale: Adam grows a norm weight by ~lr per step, and a
+        SmolLM2 draft trained that way sat at loss ~6.9 after 200 steps.)"""
         norm = getattr(target.decoder, "norm", None)
         w = getattr(norm, "weight", None)
         if w is not None and w.shape == self.norm.weight.shape:
@@ -267,6 +279,20 @@ class DFlashDraftModel(nn.Module):
                 w = w + 1.0
             self.norm.weight.copy_(w * scale)
         return self
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """target_ids [Vd]: the distinct target tokens the draft may propose (sorted here)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).unique()
+        assert self.config.draft_vocab_size is not None and ids.numel() == self.config.draft_vocab_size, (
+            f"expected {self.config.draft_vocab_size} distinct ids, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[Vd] target ids of the draft vocabulary, or None for the full vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     @property
     def block_size(self) -> int:
@@ -324,7 +350,8 @@ class DFlashDraftModel(nn.Module):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)).contiguous()
+                 for k, v in self.state_dict().items()}
         tmp = out / (WEIGHTS_NAME + ".tmp")
         save_file(state, str(tmp), metadata={"format": "pt"})
         tmp.replace(out / WEIGHTS_NAME)
@@ -349,7 +376,10 @@ class DFlashDraftModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{p / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        return model.to(device=device, dtype=dtype or next(iter(state.values())).dtype).eval()
+        model = model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
+        if "d2t" in state:  # .to(dtype) leaves integer buffers alone, but be explicit about the mapping's type
+            model.d2t = model.d2t.long()
+        return model.eval()
 
 
 def check_compatible(cfg: DFlashConfig, target) -> None:

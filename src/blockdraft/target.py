@@ -16,6 +16,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -137,9 +138,14 @@ class TargetModel(nn.Module):
         """ids [B, T] -> embeddings [B, T, H], exactly as the target embeds its own input (Gemma's scale included)."""
         return self.embed_tokens(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any)."""
-        out = self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any);
+        with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
+        if rows is None:
+            out = self.lm_head(hidden)
+        else:
+            bias = self.lm_head.bias[rows] if getattr(self.lm_head, "bias", None) is not None else None
+            out = F.linear(hidden, self.lm_head.weight[rows], bias)
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
         return out

@@ -32,6 +32,7 @@ class DFlashProposer:
         self.use_context = not draft.config.extra.get("no_target_features", False)
         self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
         cfg = draft.config
+        self.vocab_ids = draft.vocab_ids  # [Vd] target ids of a reduced draft vocabulary, or None
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
 
@@ -55,14 +56,14 @@ class DFlashProposer:
 
     @torch.no_grad()
     def _draft_logits(self, block: torch.Tensor, start: int) -> torch.Tensor:
-        """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> logits [Q-1, V] for
-        positions 1..Q-1 of the block (row j predicts block[j+1])."""
+        """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> logits [Q-1, Vd] for
+        positions 1..Q-1 of the block (row j predicts block[j+1]); Vd = V unless the draft vocabulary is reduced."""
         pos = torch.arange(start, start + block.shape[0], device=block.device).unsqueeze(0)
         embeds = self.target.embed(block.unsqueeze(0))
         ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
         vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
         hidden = self.draft(embeds, pos, ks, vs)
-        return self.target.logits(hidden[0, 1:].to(self.target.dtype))
+        return self.target.logits(hidden[0, 1:].to(self.target.dtype), self.vocab_ids)
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
@@ -79,7 +80,7 @@ class DFlashProposer:
         fixed = torch.zeros(g, dtype=torch.bool, device=tokens.device)
         steps = min(self.denoise_steps, g)
         for s in range(steps):
-            logits = self._draft_logits(block, n - 1).float()  # [g, V]
+            logits = self._draft_logits(block, n - 1).float()  # [g, Vd]
             if sampling.greedy:
                 conf, cand = logits.softmax(-1).max(-1)
                 probs = None
@@ -87,6 +88,13 @@ class DFlashProposer:
                 probs = logits_to_probs(logits, sampling)
                 cand = sample(probs, generator)
                 conf = probs.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+            if self.vocab_ids is not None:
+                # back to target ids; q keeps zero mass outside the draft vocabulary, which rejection sampling
+                # handles like any other q (the output distribution is still exactly the target's)
+                cand = self.vocab_ids[cand]
+                if probs is not None:
+                    probs = torch.zeros(g, self.target.vocab_size, device=probs.device).index_copy_(
+                        1, self.vocab_ids, probs)
             free = (~fixed).nonzero().squeeze(-1)
             k = len(free) if s == steps - 1 else math.ceil(len(free) / (steps - s))
             if sampling.greedy:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..draft import DFlashConfig, DFlashDraftModel, check_compatible
 from ..target import TargetModel
-from .blocks import block_attention_mask, build_blocks, default_gamma, loss_weights, sample_anchors
+from .blocks import IGNORE, block_attention_mask, build_blocks, default_gamma, loss_weights, sample_anchors
 from .loss import block_loss
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class TrainConfig:
     block_size: int = 16
     num_target_features: int | None = None  # default: num_layers (as the public drafts)
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
+    draft_vocab_size: int | None = None  # propose among the N most frequent response tokens of the data only
     num_anchors: int = 512  # per sequence (paper), capped by the valid positions
     gamma: float | None = None  # default from block size (7 for 16)
     no_loss_decay: bool = False
@@ -114,8 +115,10 @@ class TrainModule(nn.Module):
 
 
 def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg: TrainConfig,
-                draft_cfg: DFlashConfig, sample_index: int):
-    """Loss of one training sequence (all its anchor blocks in one forward). Returns None if it has no anchor."""
+                draft_cfg: DFlashConfig, sample_index: int, vocab_ids: torch.Tensor | None = None,
+                vocab_map: torch.Tensor | None = None):
+    """Loss of one training sequence (all its anchor blocks in one forward). Returns None if it has no anchor.
+    vocab_ids [Vd] / vocab_map [V] (target id -> draft id or IGNORE): a reduced draft vocabulary."""
     ids = torch.tensor(record["input_ids"][: cfg.max_seq_len], dtype=torch.long)
     lm = torch.tensor(record["loss_mask"][: cfg.max_seq_len], dtype=torch.long)
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + sample_index)
@@ -130,11 +133,16 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
         embeds = target.embed(bb.block_ids.unsqueeze(0))
     autocast = torch.autocast("cpu" if target.device.type == "cpu" else "cuda", dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bf16")
+    head, labels = target.lm_head.weight, bb.labels
+    if vocab_map is not None:
+        # reduced draft vocabulary: logits over its rows only; labels outside it cannot be proposed and are ignored
+        head = head[vocab_ids]
+        labels = torch.where(labels >= 0, vocab_map[labels.clamp_min(0)], labels)
     with autocast:
         hidden = module(feats, embeds, bb.positions.unsqueeze(0), mask)
         gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(draft_cfg.block_size))
-        out = block_loss(hidden, bb.labels, bb.offsets, loss_weights(bb.offsets, gamma),
-                         target.lm_head.weight, draft_cfg.block_size, cfg.loss_chunk_rows,
+        out = block_loss(hidden, labels, bb.offsets, loss_weights(bb.offsets, gamma),
+                         head, draft_cfg.block_size, cfg.loss_chunk_rows,
                          softcap=getattr(target, "_softcap", None))
     return out
 
@@ -170,7 +178,9 @@ def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, sched, state: dict,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().float().contiguous() for k, v in draft.state_dict().items()}, str(tmp / "draft.safetensors"))
+    weights = {k: (v.float() if v.is_floating_point() else v).detach().contiguous()
+               for k, v in draft.state_dict().items()}
+    save_file(weights, str(tmp / "draft.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
     (tmp / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=2))
@@ -205,7 +215,20 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def make_draft(cfg: TrainConfig, target: TargetModel) -> DFlashDraftModel:
+def frequent_tokens(records: list[dict], n: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The n most frequent response tokens of the training records (ties by id), always including `always`
+    (e.g. the end-of-turn token, which every answer needs) -> sorted [n] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        ids = torch.tensor(r["input_ids"], dtype=torch.long)
+        m = torch.tensor(r["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size]
+    score = counts.double()
+    score[list(always)] = float("inf")
+    return score.topk(n).indices.sort().values
+
+
+def make_draft(cfg: TrainConfig, target: TargetModel, records: list[dict] | None = None) -> DFlashDraftModel:
     from ..loading import default_mask_token_id
 
     if cfg.init_draft:
@@ -216,8 +239,15 @@ def make_draft(cfg: TrainConfig, target: TargetModel) -> DFlashDraftModel:
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(
         target.tokenizer, target.vocab_size)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
-                                    mask_token_id=mask_id, num_target_features=cfg.num_target_features)
-    return DFlashDraftModel(dcfg).float().init_from_target(target)
+                                    mask_token_id=mask_id, num_target_features=cfg.num_target_features,
+                                    draft_vocab_size=cfg.draft_vocab_size)
+    draft = DFlashDraftModel(dcfg).float().init_from_target(target)
+    if dcfg.draft_vocab_size is not None:
+        if not records:
+            raise ValueError("a reduced draft vocabulary is chosen from the training records: none given")
+        draft.set_draft_vocab(frequent_tokens(records, dcfg.draft_vocab_size, target.vocab_size,
+                                              target.eos_token_ids))
+    return draft
 
 
 class _StopFlag:
@@ -289,8 +319,13 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     records = records if records is not None else load_records(cfg.data)
     if heldout is None and cfg.heldout:
         heldout = load_records(cfg.heldout)
-    draft = make_draft(cfg, target)
+    draft = make_draft(cfg, target, records)
     dcfg = draft.config
+    vocab_ids = draft.vocab_ids
+    vocab_map = None
+    if vocab_ids is not None:
+        vocab_map = torch.full((target.vocab_size,), IGNORE, dtype=torch.long)
+        vocab_map[vocab_ids] = torch.arange(vocab_ids.numel())
     dcfg.extra.update({"trained_with": "blockdraft", "no_target_features": cfg.no_target_features})
     features_fn = (OnlineFeatures(target, dcfg.target_layer_ids) if cfg.features == "online"
                    else OfflineFeatures(cfg.features, dcfg.target_layer_ids))
@@ -336,7 +371,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                 # DDP: all-reduce gradients only on the last micro-batch of the step
                 sync_ctx = module.no_sync() if world > 1 and micro < cfg.batch_size - 1 else nullcontext()
                 with sync_ctx:
-                    res = sample_loss(module, target, rec, features_fn, cfg, dcfg, global_index)
+                    res = sample_loss(module, target, rec, features_fn, cfg, dcfg, global_index, vocab_ids, vocab_map)
                     if res is None:
                         continue
                     (res.loss / cfg.batch_size).backward()
