@@ -24,7 +24,7 @@ class LossOutput:
 
 def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head_weight: torch.Tensor,
                 softcap: float | None):
-    logits = F.linear(hidden, head_weight).float()
+    logits = F.linear(hidden, head_weight.to(hidden.dtype)).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     ce = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
