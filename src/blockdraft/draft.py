@@ -194,6 +194,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+_FLEX = None
+
+
+def _flex_attention():
+    """flex_attention, compiled on GPUs (its eager form is a slow reference implementation)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    return _FLEX
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -228,7 +241,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask (training)
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim))
 
 

@@ -89,6 +89,23 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: in
     return torch.cat([ctx, own], dim=1)
 
 
+def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, device: str | torch.device = "cpu"):
+    """The same visibility as `block_attention_mask`, as a flex-attention BlockMask: only the visible tiles are
+    computed, which is what makes hundreds of anchors per sequence affordable on GPUs."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors = anchors.to(device)
+    rows = anchors.numel() * block_size
+
+    def visible(b, h, q, kv):
+        blk = q // block_size
+        in_ctx = (kv < context_len) & (kv < anchors[blk])
+        in_own_block = (kv >= context_len) & ((kv - context_len) // block_size == blk)
+        return in_ctx | in_own_block
+
+    return create_block_mask(visible, None, None, rows, context_len + rows, device=device)
+
+
 def loss_weights(offsets: torch.Tensor, gamma: float | None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for k >= 1 (paper eq. 4); row 0 gets 0. gamma None = no decay (ablation)."""
     k = offsets.to(torch.float32)

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..draft import DFlashConfig, DFlashDraftModel, check_compatible
 from ..target import TargetModel
-from .blocks import IGNORE, block_attention_mask, build_blocks, default_gamma, loss_weights, sample_anchors
+from .blocks import (IGNORE, block_attention_mask, build_blocks, default_gamma, flex_block_mask, loss_weights,
+                     sample_anchors)
 from .loss import block_loss
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class TrainConfig:
     heldout: str | None = None  # shards/npz of held-out records for tau evaluation
     log_every: int = 10
     loss_chunk_rows: int = 512
+    attention: str = "auto"  # "sdpa" (dense bool mask), "flex" (BlockMask), "auto" = flex on CUDA, else sdpa
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "TrainConfig":
@@ -104,7 +106,7 @@ class TrainModule(nn.Module):
     def forward(self, features: torch.Tensor | None, block_embeds: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """features [1, L, K*H] or None (no conditioning), block_embeds [1, R, H], positions [1, R],
-        mask [1, 1, R, L + R] -> hidden [R, H]."""
+        mask [1, 1, R, L + R] bool or the equivalent flex BlockMask -> hidden [R, H]."""
         cfg = self.draft.config
         if features is None:
             shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 0, cfg.head_dim)
@@ -128,7 +130,11 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
     bb = build_blocks(ids, lm, anchors, draft_cfg.block_size, draft_cfg.mask_token_id)
     feats = None if cfg.no_target_features else features_fn(record)[:, : ids.numel()]
     ctx_len = 0 if feats is None else feats.shape[1]
-    mask = block_attention_mask(anchors, draft_cfg.block_size, ctx_len)[None, None]
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and target.device.type == "cuda")
+    if use_flex:
+        mask = flex_block_mask(anchors, draft_cfg.block_size, ctx_len, target.device)
+    else:
+        mask = block_attention_mask(anchors, draft_cfg.block_size, ctx_len)[None, None].to(target.device)
     with torch.no_grad():
         embeds = target.embed(bb.block_ids.unsqueeze(0))
     autocast = torch.autocast("cpu" if target.device.type == "cpu" else "cuda", dtype=torch.bfloat16,
@@ -316,6 +322,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     if target is None:
         target, _ = load_target(cfg.target, cfg.dtype)
     target.requires_grad_(False)
+    if cfg.attention not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"attention must be auto, sdpa or flex, got {cfg.attention!r}")
+    if cfg.attention == "flex" and target.device.type == "cpu":
+        raise ValueError("flex attention has no backward pass on CPU: train with --attention sdpa (or auto)")
     records = records if records is not None else load_records(cfg.data)
     if heldout is None and cfg.heldout:
         heldout = load_records(cfg.heldout)
