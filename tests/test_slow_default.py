@@ -6,7 +6,7 @@ import torch
 from blockdraft.config import GenerationConfig
 from blockdraft.draft import DFlashConfig, DFlashDraftModel
 from blockdraft.engine import SpeculativeEngine
-from blockdraft.loading import encode_prompt, load_target, packaged_models_dir, resolve_draft
+from blockdraft.loading import encode_prompt, load_target, resolve_draft
 from blockdraft.proposers.dflash import DFlashProposer
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,3 @@ def test_greedy_dflash_equals_plain_decoding_in_fp32(fp32_target):
         for p in PROMPTS:
             ids = encode_prompt(fp32_target.tokenizer, p)
             assert eng.generate(ids, cfg).token_ids == plain.generate(ids, cfg).token_ids, (name, p)
-
-
-def test_default_draft_is_shipped_in_the_repo():
-    assert (packaged_models_dir() / "smollm2-135m-dflash" / "config.json").is_file()
