@@ -6,8 +6,6 @@ import json
 import pytest
 import torch
 
-from blockdraft.config import GenerationConfig
-from blockdraft.engine import SpeculativeEngine
 from blockdraft.target import TargetModel
 from blockdraft.train.features import OfflineFeatures, OnlineFeatures, precompute_features
 from blockdraft.train.trainer import TrainConfig, evaluate_tau, load_records, prompt_of, sample_loss, train

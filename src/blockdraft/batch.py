@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import GenerationConfig, SamplingParams
-from .engine import DecodeStats, GenerationResult
+from .engine import DecodeStats, GenerationResult, check_prompt, pick_token
 from .proposers import NoDraft, Proposer
-from .sampling import logits_to_probs, make_generator, sample
+from .sampling import logits_to_probs, make_generator
 from .target import TargetModel
 from .verify import greedy_verify, rejection_verify
 
@@ -240,7 +240,7 @@ class BatchedEngine:
         Raises ValueError for a bad prompt (empty, outside the vocabulary, longer than the context)."""
         config = config or GenerationConfig()
         sampling = sampling or SamplingParams()
-        prompt = self._check_prompt(prompt_ids)
+        prompt = check_prompt(self.target, prompt_ids)
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         rid = next(self._ids) if request_id is None else request_id
@@ -303,27 +303,8 @@ class BatchedEngine:
             raise NotImplementedError(f"batched decoding supports full-attention caches only (DynamicLayer), this "
                                       f"target's cache has {kinds or 'no layers'}")
 
-    def _check_prompt(self, prompt_ids) -> torch.Tensor:
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.target.device)
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
-        if int(ids.max()) >= self.target.vocab_size or int(ids.min()) < 0:
-            raise ValueError(f"prompt has token ids outside the target's vocabulary (0..{self.target.vocab_size - 1})")
-        if ids.numel() >= self.target.max_context:
-            raise ValueError(f"prompt has {ids.numel()} tokens but the target's context is {self.target.max_context}"
-                             " tokens (at least one must remain for the answer)")
-        return ids
-
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        return sample(logits_to_probs(logits, sampling), generator)
 
     def _emit(self, row: _Row, chunk: list[int], events: list[StepEvent]) -> None:
         delta, done = row.push(chunk)
@@ -356,7 +337,7 @@ class BatchedEngine:
         cache = target.new_cache()
         out = target.forward(row.prompt.unsqueeze(0), cache, last_only=True, tap=self._tap)
         row.stats.target_forwards += 1
-        first = self._pick(out.logits[0, -1], row.sampling, row.generator)
+        first = pick_token(out.logits[0, -1], row.sampling, row.generator)
         row.proposer.start(row.prompt, out.features)
         row.stats.prefill_seconds = time.perf_counter() - row.t0
         row.tokens = torch.cat([row.prompt, first.view(1)])

@@ -91,6 +91,28 @@ class Generation:
         return next(self._it)
 
 
+def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
+    """Validate prompt token ids for `target` -> [n] int64 on its device (a clear ValueError otherwise)."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+        raise ValueError(f"prompt has token ids outside the target's vocabulary (0..{target.vocab_size - 1})")
+    if ids.numel() >= target.max_context:
+        raise ValueError(f"prompt has {ids.numel()} tokens but the target's context is {target.max_context}"
+                         " tokens (at least one must remain for the answer)")
+    return ids
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """logits [V] -> one token (argmax, or a draw from the processed distribution)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, sampling), generator)
+
+
 class SpeculativeEngine:
     def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None) -> None:
         self.target = target
@@ -114,7 +136,7 @@ class SpeculativeEngine:
         an incomplete UTF-8 sequence). With text=False nothing is decoded until the end."""
         config = config or GenerationConfig()
         sampling = sampling or SamplingParams()
-        prompt = self._check_prompt(prompt_ids)
+        prompt = check_prompt(self.target, prompt_ids)
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         gen = Generation(iter(()))
@@ -122,19 +144,6 @@ class SpeculativeEngine:
         return gen
 
     # ------------------------------------------------------------------------------------------- internals
-    def _check_prompt(self, prompt_ids) -> torch.Tensor:
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.target.device)
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
-        if int(ids.max()) >= self.target.vocab_size or int(ids.min()) < 0:
-            raise ValueError(f"prompt has token ids outside the target's vocabulary (0..{self.target.vocab_size - 1})")
-        if ids.numel() >= self.target.max_context:
-            raise ValueError(f"prompt has {ids.numel()} tokens but the target's context is {self.target.max_context}"
-                             " tokens (at least one must remain for the answer)")
-        return ids
-
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
@@ -209,7 +218,7 @@ class SpeculativeEngine:
         cache = target.new_cache()
         out = target.forward(prompt.unsqueeze(0), cache, last_only=True, tap=tap)
         stats.target_forwards += 1
-        first = self._pick(out.logits[0, -1], sampling, generator)
+        first = pick_token(out.logits[0, -1], sampling, generator)
         proposer.start(prompt, out.features)
         stats.prefill_seconds = time.perf_counter() - t0
         tokens = torch.cat([prompt, first.view(1)])
@@ -250,10 +259,3 @@ class SpeculativeEngine:
                 yield step.tolist()
         finally:
             stats.total_seconds = time.perf_counter() - t0
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-        """logits [V] -> one token (argmax, or a draw from the processed distribution)."""
-        if sampling.greedy:
-            return logits.argmax(-1)
-        return sample(logits_to_probs(logits, sampling), generator)
