@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
+from blockdraft.eval.tasks.base import Prompt, iter_jsonl, package_data_path, read_prompts_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -375,16 +375,8 @@ def read_shards(directory: str | Path) -> Iterator[dict]:
     """Yield every record of `directory/shard-*.jsonl` in order, validated. A corrupt line (bad JSON, missing key,
     input_ids/loss_mask length mismatch) raises ValueError naming the file and the line number."""
     for path in _shard_files(Path(directory)):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-                yield validate_record(obj, where)
+        for obj, where, _ in iter_jsonl(path):
+            yield validate_record(obj, where)
 
 
 class _ShardWriter:

@@ -78,24 +78,30 @@ def parse_prompt_line(obj, where: str, task: str, default_id: str) -> Prompt:
     return Prompt(id=str(pid), task=task, messages=messages, extra_turns=list(extra))
 
 
-def read_prompts_jsonl(path, task: str) -> list[Prompt]:
-    """Read a user prompt JSONL file. Blank lines are skipped; a corrupt or truncated line raises ValueError naming
-    the file and the 1-based line number; duplicate ids are rejected."""
-    path = Path(path)
-    out: list[Prompt] = []
-    seen: dict[str, int] = {}
+def iter_jsonl(path: Path):
+    """Yield (object, "file:line", line number) for each non-blank line of a JSONL file; a line that is not valid
+    JSON (corrupt or truncated) raises ValueError naming the file and the 1-based line number."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                yield json.loads(line), where, lineno
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            p = parse_prompt_line(obj, where, task, default_id=f"{path.stem}/{lineno}")
-            if p.id in seen:
-                raise ValueError(f"{where}: duplicate id {p.id!r} (first on line {seen[p.id]})")
-            seen[p.id] = lineno
-            out.append(p)
+
+
+def read_prompts_jsonl(path, task: str) -> list[Prompt]:
+    """Read a user prompt JSONL file. Blank lines are skipped; a corrupt or truncated line raises ValueError naming
+    the file and the 1-based line number; duplicate ids are rejected."""
+    path = Path(path)
+    out: list[Prompt] = []
+    seen: dict[str, int] = {}
+    for obj, where, lineno in iter_jsonl(path):
+        p = parse_prompt_line(obj, where, task, default_id=f"{path.stem}/{lineno}")
+        if p.id in seen:
+            raise ValueError(f"{where}: duplicate id {p.id!r} (first on line {seen[p.id]})")
+        seen[p.id] = lineno
+        out.append(p)
     return out
