@@ -64,3 +64,23 @@ def target(request) -> TargetModel:
 @pytest.fixture
 def llama_target() -> TargetModel:
     return TargetModel(tiny_llama(), ToyTokenizer())
+
+
+def naive_greedy(target: TargetModel, prompt: torch.Tensor, n: int) -> list[int]:
+    """Reference decoder with no cache at all: recompute the whole sequence for every token, plain argmax."""
+    ids = prompt.clone()
+    out = []
+    for _ in range(n):
+        nxt = int(target.hf(ids.unsqueeze(0)).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([nxt])])
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and a busy second core makes two threads crawl)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

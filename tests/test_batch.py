@@ -11,30 +11,14 @@ from blockdraft.proposers import Proposal
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.proposers.lookup import PromptLookupProposer
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, tiny_draft, tiny_llama
+from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 LENGTHS = (5, 11, 17, 3, 29)
 MAX_NEW = (40, 23, 31, 40, 9)
-
-
-def naive_greedy(target: TargetModel, prompt: torch.Tensor, n: int) -> list[int]:
-    """Reference with no cache at all: recompute the whole sequence for every token, plain argmax."""
-    ids = prompt.clone()
-    out = []
-    for _ in range(n):
-        nxt = int(target.hf(ids.unsqueeze(0)).logits[0, -1].argmax())
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([nxt])])
-    return out
 
 
 def _prompts(lengths=LENGTHS):

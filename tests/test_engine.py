@@ -8,22 +8,9 @@ from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposers import Proposal
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, tiny_draft, tiny_llama
+from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama
 
 N_NEW = 40
-
-
-def naive_greedy(target: TargetModel, prompt: torch.Tensor, n: int, eos=None) -> list[int]:
-    """Reference: recompute the whole sequence every token, no cache, plain argmax."""
-    ids = prompt.clone()
-    out = []
-    for _ in range(n):
-        nxt = int(target.hf(ids.unsqueeze(0)).logits[0, -1].argmax())
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([nxt])])
-        if eos is not None and nxt == eos:
-            break
-    return out
 
 
 class OracleProposer:

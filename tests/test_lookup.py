@@ -6,15 +6,10 @@ import torch
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposers.lookup import PromptLookupProposer, find_continuation
+from conftest import naive_greedy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and a busy second core makes two threads crawl)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cont(seq, k=10, **kw):
@@ -59,7 +54,6 @@ def test_proposer_protocol():
 
 @pytest.mark.parametrize("block_size", [3, 16])
 def test_greedy_pld_is_token_exact(target, block_size):
-    from test_engine import naive_greedy
 
     prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12, 9, 10, 11])
     ref = naive_greedy(target, prompt, 40)

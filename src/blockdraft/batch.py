@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GenerationConfig, SamplingParams
-from .engine import DecodeStats, GenerationResult, check_prompt, pick_token
+from .engine import DecodeStats, GenerationResult, check_prompt, pick_token, stop_text_cut, tokens_through_stop
 from .proposers import NoDraft, Proposer
 from .sampling import logits_to_probs, make_generator
 from .target import TargetModel
@@ -121,7 +121,7 @@ class _Row:
             del new[hit + 1:]
             self.finish = "stop"
         if cfg.stop_strings:
-            cut = self._find_stop_string(start)
+            cut = tokens_through_stop(self._decode, new, start, cfg.stop_strings)
             if cut is not None:
                 del new[cut:]
                 self.finish = "stop"
@@ -133,24 +133,11 @@ class _Row:
             while safe > self.emitted and full[safe - 1] == "\ufffd":  # an incomplete multi-byte character
                 safe -= 1
             if cfg.stop_strings and self.finish == "stop":
-                safe = min(safe, _stop_text_cut(full, cfg.stop_strings))
+                safe = min(safe, stop_text_cut(full, cfg.stop_strings))
             if safe > self.emitted:
                 delta = full[self.emitted:safe]
                 self.emitted = safe
         return delta, done
-
-    def _find_stop_string(self, start: int) -> int | None:
-        """If the text of the new tokens contains a stop string, how many tokens are needed to reach its end."""
-        stop_strings, new = self.config.stop_strings, self.new
-        full = self._decode(new)
-        cut = _stop_text_cut(full, stop_strings)
-        if cut == len(full):
-            return None
-        end = next(cut + len(s) for s in stop_strings if full.find(s) == cut)
-        for k in range(max(1, start - 8), len(new) + 1):
-            if len(self._decode(new[:k])) >= end:
-                return k
-        return len(new)
 
     def finalize(self) -> tuple[str, GenerationResult]:
         """The last text delta and the result."""
@@ -158,16 +145,11 @@ class _Row:
         self.stats.total_seconds = time.perf_counter() - self.t0 if self.t0 else 0.0
         full = self._decode(self.new)
         if self.config.stop_strings:
-            full = full[: _stop_text_cut(full, self.config.stop_strings)]
+            full = full[: stop_text_cut(full, self.config.stop_strings)]
         delta = full[self.emitted:] if self.text and len(full) > self.emitted else ""
         self.emitted = max(self.emitted, len(full))
         finish = "cancelled" if self.cancelled else self.finish
         return delta, GenerationResult(token_ids=list(self.new), text=full, finish_reason=finish, stats=self.stats)
-
-
-def _stop_text_cut(text: str, stop_strings) -> int:
-    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
-    return min(cuts) if cuts else len(text)
 
 
 class BatchedEngine:

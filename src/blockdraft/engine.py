@@ -91,6 +91,26 @@ class Generation:
         return next(self._it)
 
 
+def stop_text_cut(text: str, stop_strings) -> int:
+    """Index where the earliest stop string starts in `text` (len(text) if none occurs)."""
+    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(cuts) if cuts else len(text)
+
+
+def tokens_through_stop(decode, new: list[int], start: int, stop_strings) -> int | None:
+    """If decode(new) contains a stop string, how many tokens of `new` are needed to reach its end (None if no
+    stop string occurs). `start` = tokens already scanned in earlier steps (a stop can straddle the boundary)."""
+    full = decode(new)
+    cut = stop_text_cut(full, stop_strings)
+    if cut == len(full):
+        return None
+    end = next(cut + len(s) for s in stop_strings if full.find(s) == cut)
+    for k in range(max(1, start - 8), len(new) + 1):
+        if len(decode(new[:k])) >= end:
+            return k
+    return len(new)
+
+
 def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
     """Validate prompt token ids for `target` -> [n] int64 on its device (a clear ValueError otherwise)."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
@@ -164,7 +184,7 @@ class SpeculativeEngine:
                 del new[hit + 1:]
                 finish = "stop"
             if config.stop_strings:
-                cut = self._find_stop_string(new, start, config.stop_strings)
+                cut = tokens_through_stop(self._decode, new, start, config.stop_strings)
                 if cut is not None:
                     del new[cut:]
                     finish = "stop"
@@ -175,7 +195,7 @@ class SpeculativeEngine:
                 while safe > emitted and full[safe - 1] == "\ufffd":  # an incomplete multi-byte character
                     safe -= 1
                 if config.stop_strings and finish == "stop":
-                    safe = min(safe, self._stop_text_cut(full, config.stop_strings))
+                    safe = min(safe, stop_text_cut(full, config.stop_strings))
                 if safe > emitted:
                     yield full[emitted:safe]
                     emitted = safe
@@ -184,27 +204,10 @@ class SpeculativeEngine:
         stats.new_tokens = len(new)
         full = self._decode(new)
         if config.stop_strings:
-            full = full[: self._stop_text_cut(full, config.stop_strings)]
+            full = full[: stop_text_cut(full, config.stop_strings)]
         if text and len(full) > emitted:
             yield full[emitted:]
         gen.result = GenerationResult(token_ids=new, text=full, finish_reason=finish, stats=stats)
-
-    @staticmethod
-    def _stop_text_cut(text: str, stop_strings) -> int:
-        cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
-        return min(cuts) if cuts else len(text)
-
-    def _find_stop_string(self, new: list[int], start: int, stop_strings) -> int | None:
-        """If the text of `new` contains a stop string, return how many tokens are needed to reach its end."""
-        full = self._decode(new)
-        cut = self._stop_text_cut(full, stop_strings)
-        if cut == len(full):
-            return None
-        end = next(cut + len(s) for s in stop_strings if full.find(s) == cut)
-        for k in range(max(1, start - 8), len(new) + 1):
-            if len(self._decode(new[:k])) >= end:
-                return k
-        return len(new)
 
     @torch.no_grad()
     def _steps(self, prompt: torch.Tensor, config: GenerationConfig, sampling: SamplingParams,

