@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup demo test test-slow clean-venv
+.PHONY: setup demo test test-slow llamacpp clean-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+# Optional: llama.cpp (llama-cpp-python) as the bench's external reference (`--methods ...,llamacpp`). Built from
+# source (~8 min on 2 cores). ggml's AMX kernels die with SIGILL on the first decode on this project's CPUs, so they
+# are compiled out; --no-cache-dir so that a cached wheel built with them is never reused. Never part of `make test`.
+LLAMACPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+llamacpp: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)'" \
+		$(PIP) install --no-cache-dir 'llama-cpp-python>=0.3'
 
 clean-venv:
 	rm -rf $(VENV)

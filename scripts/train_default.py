@@ -6,6 +6,9 @@ ShareGPT first answers of the *training* prompt set (decontaminated, held-out sp
 Resumable: re-running the same command continues from the newest checkpoint.
 
     .venv/bin/python scripts/train_default.py --layers 3 --out runs/smollm2-l3 --minutes 60 --threads 1
+
+`--method eagle` trains the EAGLE-3 baseline drafter on the same records instead (train/eagle.py; --layers,
+--anchors and the block size do not apply to it, --ttt-steps does).
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ def complete_records(directory: Path) -> list[dict]:
     return out
 
 
-def build_records(tokenizer, max_len: int, n_raw: int, seed: int) -> list[dict]:
+def build_records(tokenizer, max_len: int, n_raw: int, seed: int, regen_limit: int | None = None) -> list[dict]:
     regen = complete_records(REGEN / "shards") if (REGEN / "shards").is_dir() else []
+    # the regeneration appends in a fixed order, so the first N records are the same N in every later run: a
+    # limit reproduces an earlier run's data while the regeneration goes on
+    regen = regen[:regen_limit] if regen_limit is not None else regen
     for r in regen:
         r["input_ids"], r["loss_mask"] = r["input_ids"][:max_len], r["loss_mask"][:max_len]
     train_ids = set()
@@ -73,16 +79,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--method", default="dflash", choices=["dflash", "eagle"])
+    ap.add_argument("--regen-limit", type=int, default=None,
+                    help="use only the first N regenerated records (e.g. 160 = the data of the shipped runs)")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="eagle: unrolled training-time-test steps")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
-    recs = build_records(target.tokenizer, args.max_len, args.n_raw, args.seed)
+    recs = build_records(target.tokenizer, args.max_len, args.n_raw, args.seed, args.regen_limit)
     held = list(read_shards(REGEN / "shards-heldout"))
     cfg = TrainConfig(data=str(REGEN), out_dir=args.out, num_layers=args.layers, block_size=16,
                       num_anchors=args.anchors, batch_size=args.batch_size, max_steps=args.steps,
                       max_seq_len=args.max_len, save_every=50, keep_last=2, eval_every=0, eval_prompts=6,
-                      eval_max_new_tokens=96, log_every=10, seed=args.seed, dtype="bf16")
+                      eval_max_new_tokens=96, log_every=10, seed=args.seed, dtype="bf16", method=args.method,
+                      ttt_steps=args.ttt_steps)
     summary = train(cfg, target=target, records=recs, heldout=held, resume=args.resume)
     summary.pop("losses", None)
     print(json.dumps(summary))

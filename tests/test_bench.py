@@ -158,3 +158,28 @@ def test_cli_registration_and_quick():
         BenchConfig(methods=("ar", "nope")).resolved()
     with pytest.raises(ValueError):
         BenchConfig(tasks=("poetry",)).resolved()
+
+
+def test_reference_methods_and_step_split(tmp_path):
+    """hf (transformers generate) and the HF-module twins of ar/dflash decode the same greedy tokens in fp32 as the
+    lean engine; llamacpp needs a GGUF and is skipped with a note here; the report splits step time."""
+    tok = StubTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) + "\n")
+    cfg = BenchConfig(prompts=str(pfile), methods=("ar", "ar-hf", "dflash", "dflash-hf", "hf", "llamacpp"),
+                      max_new_tokens=12, out=str(tmp_path / "o"), progress=False, plots=False, threads=1,
+                      dtype="fp32")
+    res = run_bench(cfg, target=target, tokenizer=tok, draft=tiny_draft(target, block_size=5))
+    assert res["methods"] == ["ar", "dflash", "ar-hf", "dflash-hf", "hf"]
+    assert any(n.startswith("llamacpp skipped") for n in res["notes"])
+    for r in res["records"]:
+        if r["method"] != "ar":
+            assert r["match_ar"] is True, (r["method"], r["prompt_id"])
+    rows = {r["method"]: r for r in res["summary"]["0"]["rows"]}
+    assert rows["hf"]["decode_tokens_per_s"]["n"] == 2 and rows["hf"]["step_ms"] is None
+    for m in ("ar", "ar-hf", "dflash", "dflash-hf"):
+        sm = rows[m]["step_ms"]
+        assert sm["total"] == pytest.approx(sm["draft"] + sm["verify"] + sm["other"])
+    assert rows["ar"]["step_ms"]["draft"] < rows["dflash"]["step_ms"]["draft"]  # ar never drafts
+    assert "### Per-step time split" in (tmp_path / "o" / "report.md").read_text()

@@ -13,7 +13,8 @@ import torch
 class KVCache:
     """Per-layer K/V buffers of fixed capacity with a shared fill length.
 
-    append(ks, vs): ks/vs are lists (one per layer) of [B, H_kv, T, D]; written at [length, length+T).
+    append(ks, vs): ks/vs are [num_layers, B, H_kv, T, D]; written at [length, length+T).
+    write(layer, k, v) + length update: the same, one layer at a time (a decoder writes as it goes).
     view(layer) -> (k, v) of [B, H_kv, length, D] (views, no copies).
     crop(n): keep the first n positions. reset(): length 0. Capacity grows by doubling if exceeded.
     """
@@ -41,6 +42,21 @@ class KVCache:
             new = old.new_zeros(old.shape[:3] + (new_cap,) + old.shape[4:])
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` positions (doubling the capacity, so growth costs amortised O(1) per position)."""
+        if total > self.capacity:
+            self._grow(total)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H_kv, T, D] for positions length .. length+T-1 of one layer (capacity reserved first).
+        Returns that layer's keys/values through the new positions, [B, H_kv, length+T, D] views. The caller
+        moves `length` once every layer is written."""
+        end = self.length + k.shape[2]
+        assert end <= self.capacity, "reserve() the cache before writing"
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def append(self, ks: torch.Tensor, vs: torch.Tensor) -> None:
         """ks, vs: [num_layers, B, H_kv, T, D] for T new positions."""

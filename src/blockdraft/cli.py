@@ -144,12 +144,14 @@ def cmd_pack(args) -> int:
 def cmd_features(args) -> int:
     """Precompute target features for offline training."""
     from .draft import DFlashDraftModel
+    from .eagle import EagleDraftModel, is_eagle_draft
     from .loading import load_target
     from .train.features import precompute_features
     from .train.trainer import load_records
 
     target, _ = load_target(args.target, args.dtype)
-    layer_ids = (DFlashDraftModel.from_pretrained(args.draft).config.target_layer_ids if args.draft
+    draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
+    layer_ids = (draft_cls.from_pretrained(args.draft).config.target_layer_ids if args.draft
                  else [int(x) for x in args.layer_ids.split(",")])
     precompute_features(target, layer_ids, load_records(args.data), args.out)
     print(json.dumps({"out": args.out, "layer_ids": layer_ids}))
@@ -244,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True)
     f.set_defaults(func=cmd_features)
 
-    t = sub.add_parser("train", help="train a DFlash draft (flags override --config FILE.yaml)")
+    t = sub.add_parser("train", help="train a DFlash draft, or the EAGLE-3 baseline with --method eagle "
+                                     "(flags override --config FILE.yaml)")
     t.add_argument("--config", default=None)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     _train_args(t)

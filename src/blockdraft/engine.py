@@ -218,7 +218,8 @@ class SpeculativeEngine:
         block = config.block_size or getattr(proposer, "block_size", 1)
         tap = bool(proposer.layer_ids)
         t0 = time.perf_counter()
-        cache = target.new_cache()
+        # room for the whole generation plus one verify block, so the preallocated cache never has to grow
+        cache = target.new_decode_cache(min(target.max_context, prompt.numel() + config.max_new_tokens + block + 1))
         out = target.forward(prompt.unsqueeze(0), cache, last_only=True, tap=tap)
         stats.target_forwards += 1
         first = pick_token(out.logits[0, -1], sampling, generator)

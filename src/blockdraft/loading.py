@@ -190,13 +190,20 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
 
 
 def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1):
-    """A SpeculativeEngine for the target with the draft at draft_path (None: plain decoding)."""
+    """A SpeculativeEngine for the target with the draft at draft_path (None: plain decoding). An EAGLE draft
+    (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps)."""
     from .draft import DFlashDraftModel
+    from .eagle import EagleDraftModel, is_eagle_draft
     from .engine import SpeculativeEngine
     from .proposers.dflash import DFlashProposer
+    from .proposers.eagle import EagleProposer
 
     if draft_path is None:
         return SpeculativeEngine(target_model)
+    if is_eagle_draft(draft_path):
+        draft = EagleDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
+        gamma = block_size - 1 if block_size else None
+        return SpeculativeEngine(target_model, EagleProposer(draft, target_model, gamma))
     draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
     return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps))
 

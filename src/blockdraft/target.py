@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import KVCache
+
 
 @dataclass
 class TargetOutput:
@@ -56,7 +58,10 @@ class TargetCache:
 class TargetModel(nn.Module):
     """Wraps an HF `*ForCausalLM`. `layer_ids` are the decoder layers whose outputs form the draft's context."""
 
-    def __init__(self, hf_model: nn.Module, tokenizer=None, layer_ids: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, hf_model: nn.Module, tokenizer=None, layer_ids: list[int] | tuple[int, ...] = (),
+                 lean: bool = True, compile: bool = False) -> None:
+        """lean: decode on the fused-weight path with a preallocated cache (`lean.py`) when the architecture allows
+        it (else the HF modules are used and `lean_reason` says why); compile: also torch.compile that path."""
         super().__init__()
         self.hf = hf_model
         self.tokenizer = tokenizer
@@ -72,6 +77,35 @@ class TargetModel(nn.Module):
         self._hooked: set[int] = set()
         self.layer_ids: tuple[int, ...] = ()
         self.set_layer_ids(layer_ids)
+        from .lean import LeanDecoder
+
+        self._lean_wanted, self._compile = lean, compile
+        self._lean_reason = LeanDecoder.supports(hf_model) if lean else "disabled"
+        self._lean = None  # built on first use, once the model has its final dtype and device
+        self._lean_key = None
+        self._head = None  # the LM head as a prepacked `Linear` when the lean path packs its weights
+
+    @property
+    def lean(self):
+        """The `LeanDecoder` for this target (None if disabled or unsupported; `lean_reason` says which). It holds
+        fused copies of the weights, rebuilt when the target's dtype or device changes; in-place edits of the
+        target's weights after first use are not seen (targets are frozen)."""
+        if self._lean_reason is not None:
+            return None
+        key = (self.dtype, self.device)
+        if self._lean_key != key:
+            from .lean import LeanDecoder, Linear
+
+            self._lean = LeanDecoder(self.hf, compile=self._compile)
+            self._head = (Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), True)
+                          if self._lean.packed else None)
+            self._lean_key = key
+        return self._lean
+
+    @property
+    def lean_reason(self) -> str | None:
+        """Why the lean path is not used (None when it is)."""
+        return self._lean_reason
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -132,7 +166,16 @@ class TargetModel(nn.Module):
 
     # ---------------------------------------------------------------------------------------------- primitives
     def new_cache(self) -> TargetCache:
+        """The HF cache (any architecture, holes and padding masks allowed): what batched decoding uses."""
         return TargetCache(self.config)
+
+    def new_decode_cache(self, capacity: int = 1024) -> "TargetCache | KVCache":
+        """The cache for single-sequence decoding: a preallocated `KVCache` on the lean path when this target has
+        one, else the HF cache. Both have `.length` and `.crop(n)`; `hidden`/`forward` dispatch on the type."""
+        lean = self.lean
+        if lean is not None:
+            return lean.new_cache(capacity)
+        return self.new_cache()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> embeddings [B, T, H], exactly as the target embeds its own input (Gemma's scale included)."""
@@ -142,7 +185,8 @@ class TargetModel(nn.Module):
         """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any);
         with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
         if rows is None:
-            out = self.lm_head(hidden)
+            head = self._head if self._head is not None and self._lean_key == (self.dtype, self.device) else None
+            out = head(hidden) if head is not None else self.lm_head(hidden)
         else:
             bias = self.lm_head.bias[rows] if getattr(self.lm_head, "bias", None) is not None else None
             out = F.linear(hidden, self.lm_head.weight[rows], bias)
@@ -166,6 +210,11 @@ class TargetModel(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         assert positions.shape == ids.shape, "positions must be [B, T] like ids"
+        if isinstance(cache, KVCache):
+            assert attention_mask is None, "the lean path decodes dense rows only (no holes or padding)"
+            lean = self.lean
+            assert lean is not None, "a KVCache needs the lean path (see new_decode_cache)"
+            return lean(ids, cache, positions, self.layer_ids if tap else ())
         self._captured = {} if (tap and self.layer_ids) else None
         try:
             kw = {self._cache_kw: cache.hf} if cache is not None else {}

@@ -4,8 +4,17 @@ Methods:
 - `ar`: the engine with no proposer (plain autoregressive decoding), the baseline of every ratio;
 - `dflash`: the engine with the DFlash draft (skipped, with a note, when there is no draft);
 - `pld`: the engine with prompt-lookup drafting (`PromptLookupProposer`);
-- `hf-pld`: Hugging Face `generate(prompt_lookup_num_tokens=...)` on the same HF model, an external reference
-  (greedy only, end-to-end time only).
+- `eagle`: the engine with an EAGLE-3 drafter (`EagleProposer`, chains of --gamma tokens; skipped, with a note,
+  without --eagle-draft), the autoregressive-drafter baseline of the paper;
+- `ar-hf`, `dflash-hf`: `ar` and `dflash` with the target run through its Hugging Face modules and dynamic cache
+  instead of the lean path (`lean.py`): the "before" of issue #8, for the per-step time split;
+- `hf`: Hugging Face `generate` (eager) on the same HF model, plain decoding: what a transformers user gets;
+- `hf-pld`: Hugging Face `generate(prompt_lookup_num_tokens=...)` on the same HF model (greedy only, end-to-end
+  time only);
+- `llamacpp`, `llamacpp-pld`: llama.cpp through llama-cpp-python on the target's GGUF file (`--llamacpp-gguf`, or
+  the GGUF the target was loaded from), plain and with its prompt-lookup draft (greedy only); skipped with a note
+  when llama-cpp-python is not installed. llama.cpp runs the GGUF's own quantized kernels (Q4_1 for the default
+  target), so its tokens can differ from the bf16 target's.
 
 Fairness: one target instance serves every method; one short warm-up generation per method is not measured;
 methods run prompt by prompt in a rotating order so that machine drift hits all of them alike. Every ratio is
@@ -34,9 +43,11 @@ from . import metrics
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "dflash", "pld", "hf-pld")
-ENGINE_METHODS = ("ar", "dflash", "pld")
-DRAFTING_METHODS = ("dflash", "pld")  # methods with accept-length / per-position statistics
+METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld")
+DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
+ENGINE_METHODS = ("ar", "dflash", "pld", "eagle", "ar-hf", "dflash-hf")
+GREEDY_ONLY = ("hf-pld", "llamacpp-pld")  # external references run at temperature 0 only
+DRAFTING_METHODS = ("dflash", "pld", "eagle", "dflash-hf")  # methods with accept-length / per-position statistics
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
 
@@ -46,7 +57,7 @@ class BenchConfig:
     target: str | None = None  # HF id, local dir, .gguf, or None for the packaged default
     draft: str | None = None  # draft dir, 'none', or None for the target's shipped draft
     tasks: tuple[str, ...] = ("math", "code", "chat")
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     n: int | None = 20  # prompts per task (None: all)
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.0,)
@@ -61,6 +72,9 @@ class BenchConfig:
     pld_max_ngram: int = 3
     pld_num_pred: int | None = None
     hf_pld_tokens: int = 10
+    llamacpp_gguf: str | None = None  # GGUF for llamacpp methods (default: the file the target came from, if any)
+    eagle_draft: str | None = None  # EAGLE draft directory for method `eagle` (None: eagle is skipped)
+    gamma: int = 7  # eagle: tokens drafted per verify step (chain length)
     threads: int | None = None
     warmup: bool = True
     progress: bool = True
@@ -150,19 +164,30 @@ class _Item:
 class _Runner:
     """Holds the shared target, the engines and the HF model; runs one method on one prompt."""
 
-    def __init__(self, cfg: BenchConfig, target, tokenizer, engines: dict, block_sizes: dict) -> None:
+    def __init__(self, cfg: BenchConfig, target, tokenizer, engines: dict, block_sizes: dict,
+                 external: dict | None = None) -> None:
         self.cfg, self.target, self.tok, self.engines, self.block_sizes = cfg, target, tokenizer, engines, block_sizes
+        self.external = external or {}  # method -> runner with .run(ids, max_new, temperature, seed, eos, tok)
 
     def run(self, method: str, ids: list[int], temperature: float, seed: int, max_new_tokens: int) -> dict:
-        if method == "hf-pld":
-            return self._run_hf(ids, max_new_tokens)
+        from .external import hf_generate
+
+        if method in ("hf", "hf-pld"):
+            pld = self.cfg.hf_pld_tokens if method == "hf-pld" else None
+            return hf_generate(self.target, self.tok, ids, max_new_tokens, temperature, seed, pld)
+        if method in self.external:
+            return self.external[method].run(ids, max_new_tokens, temperature, seed, self.target.eos_token_ids,
+                                             self.tok)
         from ..config import GenerationConfig, SamplingParams
 
         sampling = SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, seed=seed)
         gcfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=self.cfg.block_size,
                                 denoise_steps=self.cfg.denoise_steps)
+        engine = self.engines[method]
+        if engine.proposer.layer_ids:  # dflash and eagle tap different target layers of the one shared target
+            self.target.set_layer_ids(engine.proposer.layer_ids)
         t0 = time.perf_counter()
-        res = self.engines[method].generate(ids, gcfg, sampling)
+        res = engine.generate(ids, gcfg, sampling)
         e2e = time.perf_counter() - t0
         s = res.stats
         return {"token_ids": res.token_ids, "text": res.text, "finish_reason": res.finish_reason,
@@ -173,41 +198,19 @@ class _Runner:
                 "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                 "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds}
 
-    def _run_hf(self, ids: list[int], max_new_tokens: int) -> dict:
-        import torch
-
-        hf = self.target.hf
-        eos = list(self.target.eos_token_ids)
-        inp = torch.tensor([ids], dtype=torch.long, device=self.target.device)
-        kw = dict(attention_mask=torch.ones_like(inp), prompt_lookup_num_tokens=self.cfg.hf_pld_tokens,
-                  do_sample=False, max_new_tokens=max_new_tokens, temperature=None, top_p=None, top_k=None)
-        if eos:
-            kw.update(eos_token_id=eos, pad_token_id=eos[0])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(inp, **kw)
-        e2e = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        stop = next((i for i, t in enumerate(new) if t in eos), None)
-        if stop is not None:
-            del new[stop + 1:]
-        text = self.tok.decode(new, skip_special_tokens=True) if self.tok is not None else ""
-        return {"token_ids": new, "text": text, "finish_reason": "stop" if stop is not None else "length",
-                "prompt_tokens": len(ids), "new_tokens": len(new), "tau": None, "accept_lengths": None,
-                "position_accepted": None, "position_trials": None, "target_forwards": None,
-                "decode_tokens_per_s": None, "e2e_seconds": e2e, "prefill_seconds": None, "decode_seconds": None,
-                "draft_seconds": None, "verify_seconds": None}
-
 
 def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
-    """-> (target, target_name, tokenizer, engines, methods, block_sizes, draft_desc)."""
+    """-> (target, target_name, tokenizer, engines, methods, block_sizes, draft_desc, external runners)."""
     from ..engine import SpeculativeEngine
     from ..loading import build_engine, load_target, resolve_draft
     from ..proposers.lookup import PromptLookupProposer
 
+    gguf = cfg.llamacpp_gguf
     if target is None:
         target, src = load_target(cfg.target, cfg.dtype)
         target_name = src.name
+        if gguf is None and src.gguf_file:
+            gguf = str(Path(src.path) / src.gguf_file)
     else:
         target_name = cfg.target or type(getattr(target, "hf", target)).__name__
     tok = tokenizer if tokenizer is not None else target.tokenizer
@@ -245,10 +248,60 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
                                     block_size=cfg.block_size or 16)
         engines["pld"] = SpeculativeEngine(target, prop, tok)
         block_sizes["pld"] = prop.block_size
-    if "hf-pld" in methods and not hasattr(getattr(target, "hf", None), "generate"):
-        methods.remove("hf-pld")
-        notes.append("hf-pld skipped: the target has no Hugging Face `generate`")
-    return target, target_name, tok, engines, methods, block_sizes, draft_desc
+    if "eagle" in methods:
+        if cfg.eagle_draft is None:
+            methods.remove("eagle")
+            notes.append("eagle skipped: no EAGLE draft (--eagle-draft DIR)")
+        else:
+            from ..eagle import EagleDraftModel
+            from ..proposers.eagle import EagleProposer
+
+            ed = EagleDraftModel.from_pretrained(cfg.eagle_draft, dtype=target.dtype, device=target.device)
+            engines["eagle"] = SpeculativeEngine(target, EagleProposer(ed, target, cfg.gamma), tok)
+            block_sizes["eagle"] = cfg.gamma + 1
+    if any(m in methods for m in ("ar-hf", "dflash-hf")):
+        from ..target import TargetModel
+
+        if target.lean is None:
+            notes.append(f"ar-hf/dflash-hf equal ar/dflash here: the lean path does not run this target "
+                         f"({target.lean_reason})")
+        # the same HF model and weights, decoded through the HF modules and their dynamic cache
+        slow = TargetModel(target.hf, target.tokenizer, lean=False)
+        if "ar-hf" in methods:
+            engines["ar-hf"] = SpeculativeEngine(slow, None, tok)
+            block_sizes["ar-hf"] = 1
+        if "dflash-hf" in methods and "dflash" not in engines:
+            methods.remove("dflash-hf")
+            notes.append("dflash-hf skipped: it reuses the dflash draft, which is not available")
+        elif "dflash-hf" in methods:
+            prop = engines["dflash"].proposer
+            from ..proposers.dflash import DFlashProposer
+
+            engines["dflash-hf"] = SpeculativeEngine(
+                slow, DFlashProposer(prop.draft, slow, prop.block_size, prop.denoise_steps), tok)
+            block_sizes["dflash-hf"] = block_sizes["dflash"]
+    for m in ("hf", "hf-pld"):
+        if m in methods and not hasattr(getattr(target, "hf", None), "generate"):
+            methods.remove(m)
+            notes.append(f"{m} skipped: the target has no Hugging Face `generate`")
+    external = {}
+    for m in ("llamacpp", "llamacpp-pld"):
+        if m not in methods:
+            continue
+        from .external import LlamaCpp, llamacpp_available
+
+        why = llamacpp_available() or (None if gguf else "no GGUF file (--llamacpp-gguf PATH)")
+        if why is not None:
+            methods.remove(m)
+            notes.append(f"{m} skipped: {why}")
+            continue
+        import torch
+
+        pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if m == "llamacpp-pld" else None
+        external[m] = LlamaCpp(gguf, cfg.threads or torch.get_num_threads(), min(target.max_context, 4096), pld)
+        notes.append(f"{m}: llama.cpp on {Path(gguf).name} (its own quantized kernels), "
+                     f"{cfg.threads or torch.get_num_threads()} threads")
+    return target, target_name, tok, engines, methods, block_sizes, draft_desc, external
 
 
 def _load_prompts(cfg: BenchConfig, prompts, notes: list[str]) -> list:
@@ -295,8 +348,9 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     t_start = time.perf_counter()
     machine = machine_info()
     notes: list[str] = []
-    target, target_name, tok, engines, methods, block_sizes, draft_desc = _build(cfg, target, tokenizer, draft, notes)
-    runner = _Runner(cfg, target, tok, engines, block_sizes)
+    target, target_name, tok, engines, methods, block_sizes, draft_desc, external = _build(
+        cfg, target, tokenizer, draft, notes)
+    runner = _Runner(cfg, target, tok, engines, block_sizes, external)
 
     items: list[_Item] = []
     for p in _load_prompts(cfg, prompts, notes):
@@ -308,12 +362,13 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     if not items:
         raise ValueError("no prompts to benchmark")
     n_second = sum(1 for it in items if cfg.multi_turn and it.prompt.extra_turns)
-    if any(t > 0 for t in cfg.temperatures) and "hf-pld" in methods:
-        notes.append("hf-pld runs at temperature 0 only (greedy reference)")
+    for m in GREEDY_ONLY:
+        if any(t > 0 for t in cfg.temperatures) and m in methods:
+            notes.append(f"{m} runs at temperature 0 only (greedy reference)")
 
     from tqdm import tqdm
 
-    per_temp = {t: [m for m in methods if not (m == "hf-pld" and t > 0)] for t in cfg.temperatures}
+    per_temp = {t: [m for m in methods if not (m in GREEDY_ONLY and t > 0)] for t in cfg.temperatures}
     total = sum(len(ms) * (len(items) + n_second) for ms in per_temp.values())
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress, dynamic_ncols=True)
     records: list[dict] = []
@@ -411,6 +466,7 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
         "decode_speedup": None, "e2e_speedup": None, "tau": None, "draft_share": None,
         "match_rate": metrics.match_rate(r.get("match_ar") for r in rs) if method != "ar" else None,
         "accept_hist": None, "position_rate": None, "position_accepted": None, "position_trials": None,
+        "step_ms": None,
     }
     if method != "ar":
         ar_tps = {k: r["decode_tokens_per_s"] for k, r in ar.items()}
@@ -419,6 +475,16 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
             row["decode_speedup"] = metrics.throughput_speedup(tps, ar_tps)
         row["e2e_speedup"] = metrics.time_speedup(e2e, ar_e2e)
     if rs[0]["accept_lengths"] is not None:
+        # where a verify step's time goes: drafting, the target's verify forward (+ acceptance, cache crop and the
+        # draft's context update), and the rest of the loop (stop checks, detokenisation, Python)
+        steps = sum(len(r["accept_lengths"]) for r in rs)
+        if steps:
+            draft = sum(r["draft_seconds"] for r in rs)
+            verify = sum(r["verify_seconds"] for r in rs)
+            other = sum(r["decode_seconds"] for r in rs) - draft - verify
+            row["step_ms"] = {"draft": 1e3 * draft / steps, "verify": 1e3 * verify / steps,
+                              "other": 1e3 * other / steps, "total": 1e3 * (draft + verify + other) / steps,
+                              "steps": steps}
         row["tau"] = metrics.pooled_tau(r["accept_lengths"] for r in rs)
         row["draft_share"] = metrics.share((r["draft_seconds"] for r in rs), (r["decode_seconds"] for r in rs))
         if method in DRAFTING_METHODS and block_size:
@@ -475,6 +541,19 @@ def render_report(results: dict) -> str:
                          f"{_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
                          f"{_spd(r['decode_speedup'])} | {_spd(r['e2e_speedup'])} | {share} | {match} |")
         lines.append("")
+        split = [r for r in block["rows"] if r["step_ms"] and r["task"] == ("all" if len(block["tasks"]) > 1
+                                                                              else block["tasks"][0])]
+        if split:
+            lines += [f"### Per-step time split (T={tkey}, all tasks)", "",
+                      "Mean milliseconds per verify step of the engine's methods; tokens per step = tau.", "",
+                      "| method | steps | draft ms | verify ms | other ms | total ms | ms per token |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for r in split:
+                sm = r["step_ms"]
+                per_tok = sm["total"] / r["tau"] if r["tau"] else None
+                lines.append(f"| {r['method']} | {sm['steps']} | {sm['draft']:.1f} | {sm['verify']:.1f} | "
+                             f"{sm['other']:.1f} | {sm['total']:.1f} | {_num(per_tok, '{:.1f}')} |")
+            lines.append("")
         for meth in DRAFTING_METHODS:
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
             if not rows:
@@ -593,7 +672,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft directory, 'none' (skip dflash), default: the shipped one")
     p.add_argument("--tasks", type=_csv, default=BenchConfig.tasks, help="comma list of math,code,chat")
-    p.add_argument("--methods", type=_csv, default=BenchConfig.methods, help="comma list of " + ",".join(METHODS))
+    p.add_argument("--methods", type=_csv, default=BenchConfig.methods,
+                   help="comma list of " + ",".join(METHODS) + " (default: " + ",".join(DEFAULT_METHODS) + ")")
     p.add_argument("--n", type=int, default=BenchConfig.n, help="prompts per task (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -606,6 +686,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")
     p.add_argument("--multi-turn", action="store_true", help="also ask MT-Bench's second turn after ar's answer")
     p.add_argument("--pld-max-ngram", type=int, default=3)
+    p.add_argument("--llamacpp-gguf", default=None,
+                   help="GGUF for the llamacpp methods (default: the target's own GGUF when it was loaded from one)")
+    p.add_argument("--eagle-draft", default=None, help="EAGLE draft directory (method eagle; skipped without)")
+    p.add_argument("--gamma", type=int, default=BenchConfig.gamma, help="eagle: tokens drafted per verify step")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -620,7 +704,9 @@ def config_from_args(args) -> BenchConfig:
                        n=args.n or None, max_new_tokens=args.max_new_tokens, temperatures=tuple(temps),
                        block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype, seed=args.seed,
                        prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
-                       pld_max_ngram=args.pld_max_ngram, threads=args.threads, plots=not args.no_plots,
+                       pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
+                       llamacpp_gguf=args.llamacpp_gguf,
+                       threads=args.threads, plots=not args.no_plots,
                        progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
 
 
@@ -632,7 +718,7 @@ def cmd_bench(args) -> int:
         overall = "all" if len(block["tasks"]) > 1 else block["tasks"][0]
         for r in block["rows"]:
             if r["task"] == overall:
-                print(f"T={tkey} {r['task']:>5} {r['method']:>7}: tau {_num(r['tau'])}, decode speedup "
+                print(f"T={tkey} {r['task']:>5} {r['method']:>12}: tau {_num(r['tau'])}, decode speedup "
                       f"{_spd(r['decode_speedup'])}, e2e speedup {_spd(r['e2e_speedup'])}")
     out = Path(results["config"]["out"])
     print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {len(results['files']) - 2} plots")

@@ -33,6 +33,7 @@ class DFlashProposer:
         self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
         cfg = draft.config
         self.vocab_ids = draft.vocab_ids  # [Vd] target ids of a reduced draft vocabulary, or None
+        self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
 
@@ -62,8 +63,18 @@ class DFlashProposer:
         embeds = self.target.embed(block.unsqueeze(0))
         ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
         vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
-        hidden = self.draft(embeds, pos, ks, vs)
-        return self.target.logits(hidden[0, 1:].to(self.target.dtype), self.vocab_ids)
+        hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
+        if self.vocab_ids is None or getattr(self.target, "_softcap", None):
+            return self.target.logits(hidden, self.vocab_ids)
+        if self._head is None:
+            # gathering V' rows of the head at every step costs more than the product itself: do it once
+            from ..lean import Linear, packed_linear_available
+
+            lm = self.target.lm_head
+            bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
+            self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
+                                                                                         lm.weight.device))
+        return self._head(hidden)
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
@@ -81,7 +92,9 @@ class DFlashProposer:
         steps = min(self.denoise_steps, g)
         for s in range(steps):
             logits = self._draft_logits(block, n - 1).float()  # [g, Vd]
-            if sampling.greedy:
+            if sampling.greedy and steps == 1:
+                cand, conf, probs = logits.argmax(-1), None, None  # one pass: no confidence ranking needed
+            elif sampling.greedy:
                 conf, cand = logits.softmax(-1).max(-1)
                 probs = None
             else:
@@ -97,7 +110,9 @@ class DFlashProposer:
                         1, self.vocab_ids, probs)
             free = (~fixed).nonzero().squeeze(-1)
             k = len(free) if s == steps - 1 else math.ceil(len(free) / (steps - s))
-            if sampling.greedy:
+            if conf is None:
+                chosen = free  # the single pass fixes every position
+            elif sampling.greedy:
                 # Greedy verification only compares tokens, so any order of unmasking stays lossless: keep the
                 # most confident positions (the remasking schedule of block-diffusion LMs).
                 chosen = free[conf[free].topk(k).indices]

@@ -702,7 +702,8 @@ def select_regeneration_prompts(tokenizer, n_sharegpt: int = 6000, n_gsm: int = 
 
 def _write_prompts_checked(prompts: list[Prompt], path: Path) -> None:
     if path.is_file():
-        old = [json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # split on "\n" only: str.splitlines also breaks at U+2028/U+2029, which JSON leaves unescaped in strings
+        old = [json.loads(line)["id"] for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
         if old != [p.id for p in prompts]:
             log.warning("%s changes (different arguments or data?): records of dropped ids stay in the shards",
                         path)

@@ -68,6 +68,8 @@ class TrainConfig:
     log_every: int = 10
     loss_chunk_rows: int = 512
     attention: str = "auto"  # "sdpa" (dense bool mask), "flex" (BlockMask), "auto" = flex on CUDA, else sdpa
+    method: str = "dflash"  # "dflash" (block diffusion) or "eagle" (the EAGLE-3 baseline, train/eagle.py)
+    ttt_steps: int = 3  # eagle: unrolled training-time-test steps after step 0 (EAGLE-3 uses 6; CPU budget: 3)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "TrainConfig":
@@ -237,6 +239,10 @@ def frequent_tokens(records: list[dict], n: int, vocab_size: int, always: tuple[
 def make_draft(cfg: TrainConfig, target: TargetModel, records: list[dict] | None = None) -> DFlashDraftModel:
     from ..loading import default_mask_token_id
 
+    if cfg.method == "eagle":
+        from .eagle import make_eagle_draft
+
+        return make_eagle_draft(cfg, target)
     if cfg.init_draft:
         draft = DFlashDraftModel.from_pretrained(cfg.init_draft, dtype=torch.float32)
         check_compatible(draft.config, target)
@@ -288,10 +294,15 @@ def evaluate_tau(target: TargetModel, draft: DFlashDraftModel, prompts: list[lis
 
     if not prompts:
         return float("nan")
-    d = DFlashDraftModel(draft.config)
+    d = type(draft)(draft.config)
     d.load_state_dict(draft.state_dict())
     d = d.to(target.dtype).eval()
-    eng = SpeculativeEngine(target, DFlashProposer(d, target))
+    if isinstance(d, DFlashDraftModel):
+        eng = SpeculativeEngine(target, DFlashProposer(d, target))
+    else:
+        from ..proposers.eagle import EagleProposer
+
+        eng = SpeculativeEngine(target, EagleProposer(d, target))
     steps = committed = 0
     for p in prompts:
         res = eng.generate(p, GenerationConfig(max_new_tokens=max_new_tokens))
@@ -326,6 +337,13 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
         raise ValueError(f"attention must be auto, sdpa or flex, got {cfg.attention!r}")
     if cfg.attention == "flex" and target.device.type == "cpu":
         raise ValueError("flex attention has no backward pass on CPU: train with --attention sdpa (or auto)")
+    if cfg.method not in ("dflash", "eagle"):
+        raise ValueError(f"method must be dflash or eagle, got {cfg.method!r}")
+    eagle = cfg.method == "eagle"
+    if eagle and (cfg.no_target_features or cfg.draft_vocab_size):
+        raise ValueError("method eagle supports neither no_target_features nor draft_vocab_size")
+    if eagle and cfg.ttt_steps < 0:
+        raise ValueError(f"ttt_steps must be >= 0, got {cfg.ttt_steps}")
     records = records if records is not None else load_records(cfg.data)
     if heldout is None and cfg.heldout:
         heldout = load_records(cfg.heldout)
@@ -339,7 +357,13 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     dcfg.extra.update({"trained_with": "blockdraft", "no_target_features": cfg.no_target_features})
     features_fn = (OnlineFeatures(target, dcfg.target_layer_ids) if cfg.features == "online"
                    else OfflineFeatures(cfg.features, dcfg.target_layer_ids))
-    module: nn.Module = TrainModule(draft)
+    if eagle:
+        from .eagle import EagleTrainModule, eagle_sample_loss
+
+        module: nn.Module = EagleTrainModule(draft, cfg.ttt_steps)
+    else:
+        module = TrainModule(draft)
+    acc_width = cfg.ttt_steps + 1 if eagle else dcfg.block_size  # accuracy per TTT step / per block offset
     if world > 1:
         module = nn.parallel.DistributedDataParallel(module)
 
@@ -371,8 +395,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
         while state["step"] < total:
             opt.zero_grad(set_to_none=True)
             step_loss, n_ok = 0.0, 0
-            correct = torch.zeros(dcfg.block_size, dtype=torch.long)
-            counted = torch.zeros(dcfg.block_size, dtype=torch.long)
+            correct = torch.zeros(acc_width, dtype=torch.long)
+            counted = torch.zeros(acc_width, dtype=torch.long)
             for micro in range(cfg.batch_size):
                 global_index = state["samples_seen"] + micro * world + rank
                 epoch, pos = divmod(global_index, len(records))
@@ -381,7 +405,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                 # DDP: all-reduce gradients only on the last micro-batch of the step
                 sync_ctx = module.no_sync() if world > 1 and micro < cfg.batch_size - 1 else nullcontext()
                 with sync_ctx:
-                    res = sample_loss(module, target, rec, features_fn, cfg, dcfg, global_index, vocab_ids, vocab_map)
+                    res = (eagle_sample_loss(module, target, rec, features_fn, cfg) if eagle else
+                           sample_loss(module, target, rec, features_fn, cfg, dcfg, global_index, vocab_ids, vocab_map))
                     if res is None:
                         continue
                     (res.loss / cfg.batch_size).backward()
@@ -404,7 +429,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
                 if state["step"] % cfg.log_every == 0 or state["step"] == total:
                     now = time.perf_counter()
-                    acc = (correct.float() / counted.clamp_min(1).float())[1:].tolist()
+                    acc = (correct.float() / counted.clamp_min(1).float())[0 if eagle else 1:].tolist()
                     entry = {"step": state["step"], "loss": mean_loss, "lr": sched.get_last_lr()[0],
                              "grad_norm": grad_norm, "acc": [round(a, 4) for a in acc],
                              "rows_per_s": rows_last / max(1e-9, now - t_last), "time": time.time()}

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Full vs reduced draft vocabulary, same run (issue #8): `ar`, DFlash with the full-vocabulary draft and DFlash
+with its reduced-vocabulary twin (scripts/reduce_vocab.py) decode the same prompts, interleaved prompt by prompt
+in a rotating order. Reports tau, decode tok/s, draft ms per step and the paired decode speedup over `ar`.
+
+    .venv/bin/python scripts/vocab_bench.py --full runs/smollm2-l2/draft --reduced runs/smollm2-l2-v8k \
+        --n 4 --max-new-tokens 96 --threads 1 --out benchmarks/smollm2-135m-fast/vocab
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from blockdraft.config import GenerationConfig
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.eval.tasks import load_task
+from blockdraft.loading import build_engine, encode_prompt, load_target
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--full", required=True)
+    ap.add_argument("--reduced", required=True)
+    ap.add_argument("--tasks", default="math,code,chat")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _ = load_target(None, "bf16")
+    engines = {"ar": SpeculativeEngine(target), "dflash-full": build_engine(target, Path(args.full)),
+               "dflash-reduced": build_engine(target, Path(args.reduced))}
+    names = list(engines)
+    prompts = [p for t in args.tasks.split(",") for p in load_task(t, n=args.n, seed=0)]
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    records = []
+    for m in names:  # warm-up, not measured
+        engines[m].generate(encode_prompt(target.tokenizer, prompts[0].messages), GenerationConfig(max_new_tokens=8))
+    for i, p in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, p.messages)
+        order = names[i % 3:] + names[: i % 3]
+        for m in order:
+            s = engines[m].generate(ids, cfg).stats
+            records.append({"prompt": p.id, "task": p.task, "method": m, "tau": s.tau, "steps": len(s.accept_lengths),
+                            "tokens": sum(s.accept_lengths), "decode_tps": s.decode_tokens_per_s,
+                            "draft_ms_per_step": 1e3 * s.draft_seconds / max(1, len(s.accept_lengths)),
+                            "verify_ms_per_step": 1e3 * s.verify_seconds / max(1, len(s.accept_lengths))})
+    summary = {}
+    ar = {r["prompt"]: r for r in records if r["method"] == "ar"}
+    for m in names:
+        rs = [r for r in records if r["method"] == m]
+        summary[m] = {
+            "tau": sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs),
+            "decode_tps_median": statistics.median(r["decode_tps"] for r in rs),
+            "draft_ms_per_step": statistics.median(r["draft_ms_per_step"] for r in rs),
+            "verify_ms_per_step": statistics.median(r["verify_ms_per_step"] for r in rs),
+            "speedup_median": statistics.median(r["decode_tps"] / ar[r["prompt"]]["decode_tps"] for r in rs),
+        }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| method | tau | decode tok/s | draft ms/step | verify ms/step | speedup vs ar (median) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for m, s in summary.items():
+        lines.append(f"| {m} | {s['tau']:.3f} | {s['decode_tps_median']:.1f} | {s['draft_ms_per_step']:.1f} | "
+                     f"{s['verify_ms_per_step']:.1f} | {s['speedup_median']:.2f}x |")
+    cmd = " ".join(["scripts/vocab_bench.py"] + sys.argv[1:])
+    (out / "report.md").write_text(f"# Full vs reduced draft vocabulary\n\n`{cmd}`, {len(prompts)} prompts "
+                                   f"({args.tasks}), {args.threads} thread(s)\n\n" + "\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"command": cmd, "summary": summary, "records": records}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The lean target path (fused, prepacked weights on a preallocated KV cache) against its naive twin, the HF modules
+on their own cache: same logits and features, same rollback behaviour, same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdraft.cache import KVCache
+from blockdraft.config import GenerationConfig
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.lean import LeanDecoder, Linear, packed_linear_available
+from blockdraft.target import TargetCache, TargetModel
+
+from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen3
+
+
+def _pair(kind: str, dtype=torch.float32) -> tuple[TargetModel, TargetModel]:
+    """The same weights behind a lean target and an HF-only target."""
+    hf = (tiny_llama() if kind == "llama" else tiny_qwen3()).to(dtype)
+    return TargetModel(hf, ToyTokenizer(), layer_ids=(0, 2, 3)), TargetModel(hf, ToyTokenizer(), layer_ids=(0, 2, 3),
+                                                                           lean=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_lean_matches_hf_forward_with_rollback(kind, one_thread):
+    lean, ref = _pair(kind)
+    assert lean.lean is not None and ref.lean is None and ref.lean_reason == "disabled"
+    c_lean, c_ref = lean.new_decode_cache(capacity=8), ref.new_decode_cache()  # capacity 8: growth is exercised
+    assert isinstance(c_lean, KVCache) and isinstance(c_ref, TargetCache)
+    g = torch.Generator().manual_seed(0)
+    steps = [11, 1, 5, 1, 7]  # prefill, then decode steps of q = 1 and verify blocks of q > 1
+    keep = [11, 1, 2, 1, 4]  # positions kept after each step: a rejected tail is cropped away
+    for q, k in zip(steps, keep):
+        ids = torch.randint(0, 99, (1, q), generator=g)
+        a = lean.forward(ids, c_lean, tap=True)
+        b = ref.forward(ids, c_ref, tap=True)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)  # fused matmuls sum in another order
+        assert a.features.shape == (1, q, 3 * lean.hidden_size)
+        n = c_ref.length - q + k
+        c_lean.crop(n)
+        c_ref.crop(n)
+        assert c_lean.length == c_ref.length == n
+
+
+def test_lean_bf16_close_to_hf(one_thread):
+    lean, ref = _pair("llama", torch.bfloat16)
+    ids = torch.randint(0, 99, (1, 9), generator=torch.Generator().manual_seed(1))
+    a = lean.forward(ids, lean.new_decode_cache(16))
+    b = ref.forward(ids, ref.new_decode_cache())
+    # bf16: packed matmuls and fused projections may round differently from the separate HF ones
+    assert (a.logits.float() - b.logits.float()).abs().max() < 0.1 * b.logits.float().abs().max()
+
+
+def test_packed_linear_is_bit_identical():
+    if not packed_linear_available(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN prepacked linear in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 29, generator=g).bfloat16()
+    b = torch.randn(37, generator=g).bfloat16()
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 29, generator=g).bfloat16()
+        assert torch.equal(Linear(w, b, packed=True)(x), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("lean", [True, False])
+def test_engine_greedy_exact_on_both_paths(kind, lean, one_thread):
+    hf = tiny_llama() if kind == "llama" else tiny_qwen3()
+    target = TargetModel(hf, ToyTokenizer(), lean=lean)
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
+    want = naive_greedy(target, prompt, 30)
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    spec = SpeculativeEngine(target, _dflash(target)).generate(prompt, cfg)
+    assert plain.token_ids == want
+    assert spec.token_ids == want
+
+
+def _dflash(target):
+    from blockdraft.proposers.dflash import DFlashProposer
+
+    return DFlashProposer(tiny_draft(target, block_size=6), target)
+
+
+def test_supports_reports_what_it_cannot_run():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert LeanDecoder.supports(tiny_llama()) is None
+    assert LeanDecoder.supports(tiny_qwen3()) is None
+    cfg = Qwen2Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    reason = LeanDecoder.supports(Qwen2ForCausalLM(cfg))
+    assert reason is not None and "sliding" in reason
+    target = TargetModel(Qwen2ForCausalLM(cfg).eval(), ToyTokenizer())
+    assert target.lean is None and isinstance(target.new_decode_cache(), TargetCache)
+
+
+def test_qwen2_biases_on_lean_path(one_thread):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, initializer_range=0.5)
+    hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+    for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
+        for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            p.bias.normal_()
+    lean, ref = TargetModel(hf), TargetModel(hf, lean=False)
+    assert lean.lean is not None
+    ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(lean.forward(ids, lean.new_decode_cache()).logits,
+                               ref.forward(ids, ref.new_decode_cache()).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_rebuilds_after_dtype_change(one_thread):
+    target = TargetModel(tiny_llama(), ToyTokenizer())
+    first = target.lean
+    target.to(torch.bfloat16)
+    second = target.lean
+    assert second is not first and second.dtype == torch.bfloat16
+    out = target.forward(torch.tensor([[1, 2, 3]]), target.new_decode_cache())
+    assert out.logits.dtype == torch.bfloat16
+
+
+def test_kv_cache_write_reserve_and_views():
+    c = KVCache(num_layers=2, batch=1, num_kv_heads=3, head_dim=5, capacity=2, dtype=torch.float32)
+    k = torch.randn(1, 3, 4, 5)
+    c.reserve(4)
+    assert c.capacity >= 4
+    for layer in range(2):
+        keys, values = c.write(layer, k + layer, -k)
+        assert keys.shape == (1, 3, 4, 5)
+        assert torch.equal(keys, k + layer) and torch.equal(values, -k)
+    c.length = 4
+    c.crop(1)
+    c.reserve(3)
+    keys, _ = c.write(0, k[:, :, :2], k[:, :, :2])
+    assert keys.shape == (1, 3, 3, 5)
+    assert torch.equal(keys[:, :, :1], k[:, :, :1]) and torch.equal(keys[:, :, 1:], k[:, :, :2])
