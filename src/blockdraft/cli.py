@@ -16,6 +16,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--block-size", type=int, default=None, help="tokens per verify step (default: the draft's)")
     p.add_argument("--denoise-steps", type=int, default=1)
+    p.add_argument("--hf-path", action="store_true",
+                   help="decode through the target's HF modules and dynamic cache instead of the lean path")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the lean path's dense layers (minutes of compile; not faster on our CPU)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def _load(args):
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                                denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
-    target, src = load_target(args.target, args.dtype)
+    target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile)
     draft = resolve_draft(args.draft, src.name)
     engine = build_engine(target, draft, args.block_size, args.denoise_steps)
     log.info("target=%s draft=%s dtype=%s %s %s", src.name, draft or "none", args.dtype, gen_cfg, sampling)

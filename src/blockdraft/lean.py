@@ -122,7 +122,7 @@ class LeanDecoder:
     model has its final dtype and device.
     """
 
-    def __init__(self, hf_model: nn.Module, compile: bool = False) -> None:
+    def __init__(self, hf_model: nn.Module, compile: bool = False, compile_widths: tuple[int, ...] = (1, 16)) -> None:
         cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
         dec = hf_model.get_decoder()
         self.cfg = cfg
@@ -134,8 +134,11 @@ class LeanDecoder:
         self.layers = [_Layer(layer, cfg, self.packed) for layer in dec.layers]
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = self.layers[0].head_dim
-        self._qkv = [layer.qkv for layer in self.layers]
-        self._out = [layer.out_mlp for layer in self.layers]
+        self._qkv = self._qkv_eager = [layer.qkv for layer in self.layers]
+        self._out = self._out_eager = [layer.out_mlp for layer in self.layers]
+        # compiled kernels are shape-specialised: only these query widths (plain decoding, a full verify block) use
+        # them; prefills and short end-of-generation blocks stay eager rather than trigger a recompile each
+        self.compile_widths = tuple(compile_widths)
         self.compiled = bool(compile) and self._compile()
 
     @staticmethod
@@ -197,11 +200,13 @@ class LeanDecoder:
             slots = torch.arange(total, device=ids.device)
             mask = slots <= (start + torch.arange(t, device=ids.device)).unsqueeze(1)  # [T, total]
         taps: dict[int, torch.Tensor] = {}
+        fast = self.compiled and t in self.compile_widths
+        qkv_fns, out_fns = (self._qkv, self._out) if fast else (self._qkv_eager, self._out_eager)
         for i in range(len(self.layers)):
-            q, k, v = self._qkv[i](x, cos, sin)
+            q, k, v = qkv_fns[i](x, cos, sin)
             keys, values = cache.write(i, k, v)  # [B, Hkv, total, D], the new positions included
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = self._out[i](x, attn.transpose(1, 2).reshape(b, t, -1))
+            x = out_fns[i](x, attn.transpose(1, 2).reshape(b, t, -1))
             if i in tap:
                 taps[i] = x
         cache.length = total

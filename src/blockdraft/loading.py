@@ -181,12 +181,13 @@ def resolve_draft(draft: str | None, target_name: str) -> Path | None:
     return p
 
 
-def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", device: str = "cpu"):
-    """-> (TargetModel, TargetSource)."""
+def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", device: str = "cpu",
+                lean: bool = True, compile: bool = False):
+    """-> (TargetModel, TargetSource). lean/compile: the decode path (see TargetModel and lean.py)."""
     from .target import TargetModel
 
     hf, tok, src = load_hf_target(target, dtype, device)
-    return TargetModel(hf, tok), src
+    return TargetModel(hf, tok, lean=lean, compile=compile), src
 
 
 def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1):

@@ -72,6 +72,7 @@ class BenchConfig:
     pld_max_ngram: int = 3
     pld_num_pred: int | None = None
     hf_pld_tokens: int = 10
+    compile: bool = False  # torch.compile the lean target path (compile time is paid in the warm-up)
     llamacpp_gguf: str | None = None  # GGUF for llamacpp methods (default: the file the target came from, if any)
     eagle_draft: str | None = None  # EAGLE draft directory for method `eagle` (None: eagle is skipped)
     gamma: int = 7  # eagle: tokens drafted per verify step (chain length)
@@ -207,7 +208,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
 
     gguf = cfg.llamacpp_gguf
     if target is None:
-        target, src = load_target(cfg.target, cfg.dtype)
+        target, src = load_target(cfg.target, cfg.dtype, compile=cfg.compile)
         target_name = src.name
         if gguf is None and src.gguf_file:
             gguf = str(Path(src.path) / src.gguf_file)
@@ -686,6 +687,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")
     p.add_argument("--multi-turn", action="store_true", help="also ask MT-Bench's second turn after ar's answer")
     p.add_argument("--pld-max-ngram", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile the lean target path (warm-up pays it)")
     p.add_argument("--llamacpp-gguf", default=None,
                    help="GGUF for the llamacpp methods (default: the target's own GGUF when it was loaded from one)")
     p.add_argument("--eagle-draft", default=None, help="EAGLE draft directory (method eagle; skipped without)")
@@ -705,7 +707,7 @@ def config_from_args(args) -> BenchConfig:
                        block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype, seed=args.seed,
                        prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
                        pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
-                       llamacpp_gguf=args.llamacpp_gguf,
+                       llamacpp_gguf=args.llamacpp_gguf, compile=args.compile,
                        threads=args.threads, plots=not args.no_plots,
                        progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
 

@@ -92,8 +92,10 @@ class LlamaCpp:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=prompt_lookup[0], num_pred_tokens=prompt_lookup[1])
+        # logits_all with a draft: llama-cpp-python turns it on internally but sizes its score buffer from the
+        # argument, and a verify of several tokens then overflows that buffer (0.3.36)
         self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft,
-                         verbose=False)
+                         logits_all=draft is not None, verbose=False)
 
     def run(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int, eos, tok) -> dict:
         llm = self.llm
