@@ -175,3 +175,21 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
                      torch.Generator().manual_seed(0))
     assert set(p.tokens.tolist()) <= set(ids.tolist())
     assert p.probs.shape == (7, 99) and torch.allclose(p.probs[:, ids].sum(-1), torch.ones(7))
+
+
+def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
+    """Two DFlash drafts reading different target layers (2 vs 4 features) on one shared target, used alternately
+    (as the benchmark and draft comparisons do): each generation taps its own draft's layers and stays lossless."""
+    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+    from conftest import MASK_ID
+
+    target = TargetModel(tiny_llama(), ToyTokenizer())
+    torch.manual_seed(5)
+    cfg = DFlashConfig.from_target(target.config, num_hidden_layers=1, block_size=5, mask_token_id=MASK_ID,
+                                   target_layer_ids=[0, 4, 2, 3])
+    engines = [SpeculativeEngine(target, DFlashProposer(tiny_draft(target, block_size=6), target)),
+               SpeculativeEngine(target, DFlashProposer(DFlashDraftModel(cfg).eval(), target))]
+    prompt = torch.tensor([4, 9, 33, 2, 71])
+    want = naive_greedy(target, prompt, 12)
+    for eng in engines + engines:
+        assert eng.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids == want

@@ -217,6 +217,9 @@ class SpeculativeEngine:
         generator = None if sampling.greedy else make_generator(sampling.seed, target.device)
         block = config.block_size or getattr(proposer, "block_size", 1)
         tap = bool(proposer.layer_ids)
+        if tap and target.layer_ids != tuple(proposer.layer_ids):
+            # engines may share one target (bench, comparisons): tap what this engine's proposer reads
+            target.set_layer_ids(proposer.layer_ids)
         t0 = time.perf_counter()
         # room for the whole generation plus one verify block, so the preallocated cache never has to grow
         cache = target.new_decode_cache(min(target.max_context, prompt.numel() + config.max_new_tokens + block + 1))

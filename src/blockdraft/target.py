@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .lean import LeanDecoder, Linear, packed_linear_available
 
 
 @dataclass
@@ -77,13 +78,11 @@ class TargetModel(nn.Module):
         self._hooked: set[int] = set()
         self.layer_ids: tuple[int, ...] = ()
         self.set_layer_ids(layer_ids)
-        from .lean import LeanDecoder
-
         self._lean_wanted, self._compile = lean, compile
         self._lean_reason = LeanDecoder.supports(hf_model) if lean else "disabled"
         self._lean = None  # built on first use, once the model has its final dtype and device
         self._lean_key = None
-        self._head = None  # the LM head as a prepacked `Linear` when the lean path packs its weights
+        self._head = None  # ((dtype, device), the LM head prepacked, or None) once first needed, see logits()
 
     @property
     def lean(self):
@@ -94,11 +93,7 @@ class TargetModel(nn.Module):
             return None
         key = (self.dtype, self.device)
         if self._lean_key != key:
-            from .lean import LeanDecoder, Linear
-
             self._lean = LeanDecoder(self.hf, compile=self._compile)
-            self._head = (Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), True)
-                          if self._lean.packed else None)
             self._lean_key = key
         return self._lean
 
@@ -185,7 +180,7 @@ class TargetModel(nn.Module):
         """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any);
         with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
         if rows is None:
-            head = self._head if self._head is not None and self._lean_key == (self.dtype, self.device) else None
+            head = self._packed_head()
             out = head(hidden) if head is not None else self.lm_head(hidden)
         else:
             bias = self.lm_head.bias[rows] if getattr(self.lm_head, "bias", None) is not None else None
@@ -193,6 +188,18 @@ class TargetModel(nn.Module):
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
         return out
+
+    def _packed_head(self):
+        """The LM head prepacked for oneDNN (bf16 on CPU, lean path wanted), built once per dtype/device; None
+        otherwise. Its product is bit-identical to `lm_head` (lean.py) and ~1.4x faster at 1-16 rows."""
+        if self._lean_reason == "disabled" or torch.is_grad_enabled():
+            return None
+        key = (self.dtype, self.device)
+        if self._head is None or self._head[0] != key:
+            w = self.lm_head.weight
+            packed = packed_linear_available(w.dtype, w.device)
+            self._head = (key, Linear(w, getattr(self.lm_head, "bias", None), True) if packed else None)
+        return self._head[1]
 
     # no_grad rather than inference_mode: the training pipeline feeds these features into modules that save
     # their inputs for backward, which inference tensors forbid.

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Full vs reduced draft vocabulary, same run (issue #8): `ar`, DFlash with the full-vocabulary draft and DFlash
-with its reduced-vocabulary twin (scripts/reduce_vocab.py) decode the same prompts, interleaved prompt by prompt
-in a rotating order. Reports tau, decode tok/s, draft ms per step and the paired decode speedup over `ar`.
+"""Several drafts for the default target in one run: `ar` and each draft decode the same prompts, interleaved
+prompt by prompt in a rotating order. Reports tau, decode tok/s, draft/verify ms per step and the paired decode
+speedup over `ar`, overall and per task. Used for full vs reduced draft vocabulary (issue #8) and for draft depths
+(issue #5).
 
-    .venv/bin/python scripts/vocab_bench.py --full runs/smollm2-l2/draft --reduced runs/smollm2-l2-v8k \
+    .venv/bin/python scripts/compare_drafts.py --draft full=runs/smollm2-l2/draft --draft reduced=runs/smollm2-l2-v8k \
         --n 4 --max-new-tokens 96 --threads 1 --out benchmarks/smollm2-135m-fast/vocab
 """
 
@@ -25,8 +26,7 @@ from blockdraft.loading import build_engine, encode_prompt, load_target
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--full", required=True)
-    ap.add_argument("--reduced", required=True)
+    ap.add_argument("--draft", action="append", required=True, metavar="NAME=DIR", help="repeatable")
     ap.add_argument("--tasks", default="math,code,chat")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -35,8 +35,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
-    engines = {"ar": SpeculativeEngine(target), "dflash-full": build_engine(target, Path(args.full)),
-               "dflash-reduced": build_engine(target, Path(args.reduced))}
+    engines = {"ar": SpeculativeEngine(target)}
+    for spec in args.draft:
+        name, _, path = spec.partition("=")
+        if not path or name in engines:
+            raise SystemExit(f"--draft wants NAME=DIR with distinct names, got {spec!r}")
+        engines[name] = build_engine(target, Path(path))
     names = list(engines)
     prompts = [p for t in args.tasks.split(",") for p in load_task(t, n=args.n, seed=0)]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -45,7 +49,7 @@ def main() -> int:
         engines[m].generate(encode_prompt(target.tokenizer, prompts[0].messages), GenerationConfig(max_new_tokens=8))
     for i, p in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, p.messages)
-        order = names[i % 3:] + names[: i % 3]
+        order = names[i % len(names):] + names[: i % len(names)]
         for m in order:
             s = engines[m].generate(ids, cfg).stats
             records.append({"prompt": p.id, "task": p.task, "method": m, "tau": s.tau, "steps": len(s.accept_lengths),
@@ -54,9 +58,10 @@ def main() -> int:
                             "verify_ms_per_step": 1e3 * s.verify_seconds / max(1, len(s.accept_lengths))})
     summary = {}
     ar = {r["prompt"]: r for r in records if r["method"] == "ar"}
-    for m in names:
-        rs = [r for r in records if r["method"] == m]
-        summary[m] = {
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    for m, task in [(m, t) for t in tasks + ["all"] for m in names]:
+        rs = [r for r in records if r["method"] == m and task in ("all", r["task"])]
+        summary[f"{task}/{m}"] = {
             "tau": sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs),
             "decode_tps_median": statistics.median(r["decode_tps"] for r in rs),
             "draft_ms_per_step": statistics.median(r["draft_ms_per_step"] for r in rs),
@@ -65,13 +70,14 @@ def main() -> int:
         }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["| method | tau | decode tok/s | draft ms/step | verify ms/step | speedup vs ar (median) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for m, s in summary.items():
-        lines.append(f"| {m} | {s['tau']:.3f} | {s['decode_tps_median']:.1f} | {s['draft_ms_per_step']:.1f} | "
+    lines = ["| task | method | tau | decode tok/s | draft ms/step | verify ms/step | speedup vs ar (median) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for key, s in summary.items():
+        task, m = key.split("/", 1)
+        lines.append(f"| {task} | {m} | {s['tau']:.3f} | {s['decode_tps_median']:.1f} | {s['draft_ms_per_step']:.1f} | "
                      f"{s['verify_ms_per_step']:.1f} | {s['speedup_median']:.2f}x |")
-    cmd = " ".join(["scripts/vocab_bench.py"] + sys.argv[1:])
-    (out / "report.md").write_text(f"# Full vs reduced draft vocabulary\n\n`{cmd}`, {len(prompts)} prompts "
+    cmd = " ".join(["scripts/compare_drafts.py"] + sys.argv[1:])
+    (out / "report.md").write_text(f"# Drafts compared\n\n`{cmd}`, {len(prompts)} prompts "
                                    f"({args.tasks}), {args.threads} thread(s)\n\n" + "\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"command": cmd, "summary": summary, "records": records}, indent=1))
     print("\n".join(lines))
