@@ -362,40 +362,64 @@ class DFlashDraftModel(nn.Module):
     # ----------------------------------------------------------------------------------------- save / load
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write config.json + model.safetensors in the public DFlash layout (no embedding, no LM head)."""
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)).contiguous()
-                 for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / WEIGHTS_NAME)
-        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)) for k, v in self.state_dict().items()}
+        write_draft_dir(out_dir, state, self.config.to_hf_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> "DFlashDraftModel":
-        from safetensors.torch import load_file
-
-        p = Path(path)
-        if not (p / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{p} is not a draft directory (no {CONFIG_NAME})")
-        try:
-            d = json.loads((p / CONFIG_NAME).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
-        cfg = DFlashConfig.from_hf_dict(d)
-        model = cls(cfg)
-        state = load_file(str(p / WEIGHTS_NAME))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{p / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        d, state = read_draft_dir(path)
+        model = cls(DFlashConfig.from_hf_dict(d))
+        load_checked(model, state, Path(path) / WEIGHTS_NAME)
         model = model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
         if "d2t" in state:  # .to(dtype) leaves integer buffers alone, but be explicit about the mapping's type
             model.d2t = model.d2t.long()
         return model.eval()
+
+
+# ------------------------------------------------------------------------------------------ draft directories
+def write_draft_dir(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict) -> None:
+    """config.json + model.safetensors, the weights written to a temporary file first (an interrupted save never
+    leaves a truncated model.safetensors behind)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / WEIGHTS_NAME)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_draft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """-> (config.json as a dict, the safetensors state), with a clear error for a missing or corrupt file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not (p / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{p} is not a draft directory (no {CONFIG_NAME})")
+    try:
+        d = json.loads((p / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
+    if not (p / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{p} has no {WEIGHTS_NAME}")
+    try:
+        state = load_file(str(p / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{p / WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
+    return d, state
+
+
+def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Load `state` into `model`, turning missing/unexpected names and contradicting shapes into a ValueError."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # tensor shapes that contradict config.json
+        raise ValueError(f"{source} does not match its config: {e}") from None
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def check_compatible(cfg: DFlashConfig, target) -> None:

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, default_target_layer_ids, rope_cos_sin
+from .draft import (CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, default_target_layer_ids, load_checked,
+                    read_draft_dir, rope_cos_sin, write_draft_dir)
 
 ARCHITECTURE = "Eagle3DraftModel"
 
@@ -285,43 +286,14 @@ class EagleDraftModel(nn.Module):
 
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write config.json + model.safetensors (no embedding, no LM head)."""
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / WEIGHTS_NAME)
-        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+        write_draft_dir(out_dir, {k: v.detach().to(dtype) for k, v in self.state_dict().items()},
+                        self.config.to_hf_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> "EagleDraftModel":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        p = Path(path)
-        if not (p / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{p} is not a draft directory (no {CONFIG_NAME})")
-        try:
-            d = json.loads((p / CONFIG_NAME).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
-        cfg = EagleConfig.from_hf_dict(d)
-        if not (p / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"{p} has no {WEIGHTS_NAME}")
-        try:
-            state = load_file(str(p / WEIGHTS_NAME))
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{p / WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
-        model = cls(cfg)
-        try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
-        except RuntimeError as e:  # tensor shapes that contradict config.json
-            raise ValueError(f"{p / WEIGHTS_NAME} does not match its config: {e}") from None
-        if missing or unexpected:
-            raise ValueError(f"{p / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        d, state = read_draft_dir(path)
+        model = cls(EagleConfig.from_hf_dict(d))
+        load_checked(model, state, Path(path) / WEIGHTS_NAME)
         return model.to(device=device, dtype=dtype or state["fc.weight"].dtype).eval()
 
