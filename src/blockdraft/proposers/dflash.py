@@ -9,6 +9,7 @@ import torch
 from ..cache import KVCache
 from ..config import SamplingParams
 from ..draft import DFlashDraftModel, check_compatible
+from ..lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
 from . import Proposal
@@ -68,8 +69,6 @@ class DFlashProposer:
             return self.target.logits(hidden, self.vocab_ids)
         if self._head is None:
             # gathering V' rows of the head at every step costs more than the product itself: do it once
-            from ..lean import Linear, packed_linear_available
-
             lm = self.target.lm_head
             bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
             self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
