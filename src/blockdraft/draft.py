@@ -275,11 +275,7 @@ class DFlashDraftModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_draft_weights(self, std)
 
     @torch.no_grad()
     def init_from_target(self, target, scale: float = 1.0) -> "DFlashDraftModel":
@@ -287,13 +283,7 @@ class DFlashDraftModel(nn.Module):
         so it should begin at the per-channel scale that head expects. (A damped start such as 0.1x gives a
         near-uniform first loss but then caps the logit scale: Adam grows a norm weight by ~lr per step, and a
         SmolLM2 draft trained that way sat at loss ~6.9 after 200 steps.)"""
-        norm = getattr(target.decoder, "norm", None)
-        w = getattr(norm, "weight", None)
-        if w is not None and w.shape == self.norm.weight.shape:
-            w = w.float()
-            if type(norm).__name__.startswith("Gemma"):  # Gemma norms store (weight - 1) and scale by (1 + weight)
-                w = w + 1.0
-            self.norm.weight.copy_(w * scale)
+        copy_target_final_norm(self.norm, target, scale)
         return self
 
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
@@ -375,6 +365,28 @@ class DFlashDraftModel(nn.Module):
         if "d2t" in state:  # .to(dtype) leaves integer buffers alone, but be explicit about the mapping's type
             model.d2t = model.d2t.long()
         return model.eval()
+
+
+# --------------------------------------------------------------------------- shared by the DFlash and EAGLE drafts
+def init_draft_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Linear weights ~ N(0, std), norm weights 1."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
+@torch.no_grad()
+def copy_target_final_norm(norm: RMSNorm, target, scale: float = 1.0) -> None:
+    """Set a draft's final norm to the target's final-norm scale (times `scale`), if the shapes agree."""
+    tnorm = getattr(target.decoder, "norm", None)
+    w = getattr(tnorm, "weight", None)
+    if w is not None and w.shape == norm.weight.shape:
+        w = w.float()
+        if type(tnorm).__name__.startswith("Gemma"):  # Gemma norms store (weight - 1) and scale by (1 + weight)
+            w = w + 1.0
+        norm.weight.copy_(w * scale)
 
 
 # ------------------------------------------------------------------------------------------ draft directories

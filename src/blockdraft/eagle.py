@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import (CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, default_target_layer_ids, load_checked,
-                    read_draft_dir, rope_cos_sin, write_draft_dir)
+from .draft import (CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, copy_target_final_norm,
+                    default_target_layer_ids, init_draft_weights, load_checked, read_draft_dir, rope_cos_sin,
+                    write_draft_dir)
 
 ARCHITECTURE = "Eagle3DraftModel"
 
@@ -192,23 +193,13 @@ class EagleDraftModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_draft_weights(self, std)
 
     @torch.no_grad()
     def init_from_target(self, target) -> "EagleDraftModel":
         """Start the final norm at the target's final-norm weights (the draft feeds the target's LM head; see
         DFlashDraftModel.init_from_target for why)."""
-        norm = getattr(target.decoder, "norm", None)
-        w = getattr(norm, "weight", None)
-        if w is not None and w.shape == self.norm.weight.shape:
-            w = w.float()
-            if type(norm).__name__.startswith("Gemma"):  # Gemma norms store (weight - 1)
-                w = w + 1.0
-            self.norm.weight.copy_(w)
+        copy_target_final_norm(self.norm, target)
         return self
 
     @property
