@@ -185,8 +185,6 @@ class _Runner:
         gcfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=self.cfg.block_size,
                                 denoise_steps=self.cfg.denoise_steps)
         engine = self.engines[method]
-        if engine.proposer.layer_ids:  # dflash and eagle tap different target layers of the one shared target
-            self.target.set_layer_ids(engine.proposer.layer_ids)
         t0 = time.perf_counter()
         res = engine.generate(ids, gcfg, sampling)
         e2e = time.perf_counter() - t0
