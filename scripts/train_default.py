@@ -5,7 +5,8 @@ Data: every regenerated record under data/work/regen-smollm2/shards (target-writ
 ShareGPT first answers of the *training* prompt set (decontaminated, held-out split excluded), shuffled together.
 Resumable: re-running the same command continues from the newest checkpoint.
 
-    .venv/bin/python scripts/train_default.py --layers 3 --out runs/smollm2-l3 --minutes 60 --threads 1
+    .venv/bin/python scripts/train_default.py --layers 2 --init-layers target --vocab-size 8192 --anchors 64 \
+        --steps 4000 --threads 2 --out runs/smollm2-l2t
 
 `--method eagle` trains the EAGLE-3 baseline drafter on the same records instead (train/eagle.py; --layers,
 --anchors and the block size do not apply to it, --ttt-steps does).
@@ -83,6 +84,12 @@ def main() -> int:
     ap.add_argument("--regen-limit", type=int, default=None,
                     help="use only the first N regenerated records (e.g. 160 = the data of the shipped runs)")
     ap.add_argument("--ttt-steps", type=int, default=3, help="eagle: unrolled training-time-test steps")
+    ap.add_argument("--init-layers", default="random", choices=["random", "target"],
+                    help="target: start the draft layers as copies of the target's last layers")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="reduced draft vocabulary: the N most frequent response tokens (loss and proposals)")
+    ap.add_argument("--target-labels", action="store_true",
+                    help="label block rows with the target's own greedy tokens (teacher-forced)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -93,7 +100,8 @@ def main() -> int:
                       num_anchors=args.anchors, batch_size=args.batch_size, max_steps=args.steps,
                       max_seq_len=args.max_len, save_every=50, keep_last=2, eval_every=0, eval_prompts=6,
                       eval_max_new_tokens=96, log_every=10, seed=args.seed, dtype="bf16", method=args.method,
-                      ttt_steps=args.ttt_steps)
+                      ttt_steps=args.ttt_steps, init_layers=args.init_layers, draft_vocab_size=args.vocab_size,
+                      target_labels=args.target_labels)
     summary = train(cfg, target=target, records=recs, heldout=held, resume=args.resume)
     summary.pop("losses", None)
     print(json.dumps(summary))

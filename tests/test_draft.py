@@ -121,3 +121,17 @@ def test_corrupt_draft_dir(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_recommended_decode_block_size(tmp_path, llama_target):
+    """A draft's config may recommend a decode block size (blockdraft.decode_block_size); it is the proposer's
+    default, survives a save/load, and an explicit block size still wins."""
+    from blockdraft.proposers.dflash import DFlashProposer
+
+    draft = tiny_draft(llama_target, layers=1)
+    assert DFlashProposer(draft, llama_target).block_size == 8  # the trained size
+    draft.config.extra["decode_block_size"] = 4
+    draft.save_pretrained(tmp_path, dtype=torch.float32)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert DFlashProposer(loaded, llama_target).block_size == 4
+    assert DFlashProposer(loaded, llama_target, block_size=6).block_size == 6

@@ -124,3 +124,52 @@ def test_reduced_vocabulary_training(tiny, tmp_path):
     assert all(l == l for l in summary["losses"])  # finite, no NaN
     d = DFlashDraftModel.from_pretrained(summary["out"])
     assert d.config.draft_vocab_size == 10 and d.vocab_ids.tolist() == top.tolist()
+
+
+def test_layer_init_from_target_reproduces_its_values(tiny):
+    """init_layers='target': draft layer i is a copy of target layer L-n+i, and the context values of draft layer 0
+    are exactly what target layer L-n computes from the deepest tapped layer (when that layer feeds it)."""
+    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+
+    n, nl = 2, tiny.num_layers
+    cfg = DFlashConfig.from_target(tiny.config, num_hidden_layers=n, block_size=8, mask_token_id=MASK_ID,
+                                   target_layer_ids=[nl - n - 1, 0])  # deepest first: the fc must pick it out
+    draft = DFlashDraftModel(cfg).float().init_layers_from_target(tiny)
+    for mine, theirs in zip(draft.layers, tiny.layers[nl - n:]):
+        torch.testing.assert_close(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight.float())
+        torch.testing.assert_close(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight.float())
+    tiny.set_layer_ids(cfg.target_layer_ids)
+    ids = torch.randint(0, 90, (1, 11), generator=torch.Generator().manual_seed(0))
+    feats = tiny(ids, None, tap=True).features  # [1, 11, 2H], in target_layer_ids order
+    _, vs = draft.context_kv(feats, torch.arange(11).unsqueeze(0))
+    src = tiny.layers[nl - n]
+    h = feats[..., : tiny.hidden_size]
+    ref = src.self_attn.v_proj(src.input_layernorm(h)).view(1, 11, -1, cfg.head_dim).transpose(1, 2)
+    torch.testing.assert_close(vs[0], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layers"):
+        DFlashDraftModel(DFlashConfig.from_target(tiny.config, num_hidden_layers=nl + 1, block_size=8,
+                                                  mask_token_id=MASK_ID, num_target_features=2)
+                         ).init_layers_from_target(tiny)
+
+
+def test_target_labels_are_the_targets_greedy_tokens(tiny, tmp_path):
+    """Teacher-forced target labels equal the data's labels on the target's own greedy text (same loss, fp32), and
+    differ on text the target would not write."""
+    from blockdraft.train.trainer import TrainModule, make_draft
+
+    greedy = regenerated(tiny, 1, seed=9, new_tokens=30)[0]
+    noise = dict(greedy, id="noise", input_ids=greedy["input_ids"][:8] + torch.randint(
+        0, 90, (30,), generator=torch.Generator().manual_seed(1)).tolist())
+    cfg = _cfg(tmp_path)
+    draft = make_draft(cfg, tiny)
+    feats = OnlineFeatures(tiny, draft.config.target_layer_ids)
+    module = TrainModule(draft)
+
+    def loss(rec, tl):
+        c = _cfg(tmp_path, target_labels=tl)
+        return float(sample_loss(module, tiny, rec, feats, c, draft.config, 0).loss.detach())
+
+    assert loss(greedy, True) == pytest.approx(loss(greedy, False), rel=1e-6)
+    assert loss(noise, True) != pytest.approx(loss(noise, False), rel=1e-3)
+    with pytest.raises(ValueError, match="online features"):
+        sample_loss(module, tiny, greedy, lambda r: feats(r), _cfg(tmp_path, target_labels=True), draft.config, 0)

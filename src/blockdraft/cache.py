@@ -16,7 +16,7 @@ class KVCache:
     append(ks, vs): ks/vs are [num_layers, B, H_kv, T, D]; written at [length, length+T).
     write(layer, k, v) + length update: the same, one layer at a time (a decoder writes as it goes).
     view(layer) -> (k, v) of [B, H_kv, length, D] (views, no copies).
-    crop(n): keep the first n positions. reset(): length 0. Capacity grows by doubling if exceeded.
+    crop(n): keep the first n positions. reset(): length 0. select_rows(rows): keep those batch rows. Capacity grows by doubling if exceeded.
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -42,6 +42,11 @@ class KVCache:
             new = old.new_zeros(old.shape[:3] + (new_cap,) + old.shape[4:])
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (int64), in that order: finished rows leave a batched generation."""
+        self.k = self.k[:, rows].contiguous()
+        self.v = self.v[:, rows].contiguous()
 
     def reserve(self, total: int) -> None:
         """Make room for `total` positions (doubling the capacity, so growth costs amortised O(1) per position)."""

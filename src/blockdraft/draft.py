@@ -286,6 +286,42 @@ class DFlashDraftModel(nn.Module):
         copy_target_final_norm(self.norm, target, scale)
         return self
 
+    @torch.no_grad()
+    def init_layers_from_target(self, target) -> "DFlashDraftModel":
+        """Start draft layer i as a copy of target decoder layer L-n+i (the target's last n layers), and the context
+        fusion as a pass-through of the deepest tapped layer normed like the input of the first copied layer.
+
+        Only possible when the draft's layer shapes equal the target's (the default: the draft takes the target's
+        widths). Why: at this data scale a random draft spends most of its budget learning what a language-model
+        layer is; copied layers start as working attention/MLP maps, and the context keys/values of draft layer 0
+        start as exactly the keys/values the target's own layer computes at those positions. The Qwen3-style q/k
+        norms (which LLaMA layers lack) start at 1."""
+        cfg, tl = self.config, target.layers
+        n = cfg.num_hidden_layers
+        if n > len(tl):
+            raise ValueError(f"cannot copy {n} layers from a {len(tl)}-layer target")
+        copied = tl[len(tl) - n:]
+        pairs = [("self_attn.q_proj", "self_attn.q_proj"), ("self_attn.k_proj", "self_attn.k_proj"),
+                 ("self_attn.v_proj", "self_attn.v_proj"), ("self_attn.o_proj", "self_attn.o_proj"),
+                 ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"), ("mlp.down_proj", "mlp.down_proj"),
+                 ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm")]
+        for layer, src in zip(self.layers, copied):
+            for dst_name, src_name in pairs:
+                dst, srcm = layer.get_submodule(dst_name), src.get_submodule(src_name)
+                if dst.weight.shape != srcm.weight.shape:
+                    raise ValueError(f"draft {dst_name} {tuple(dst.weight.shape)} != target "
+                                     f"{tuple(srcm.weight.shape)}: layer init from the target needs equal shapes")
+                w = srcm.weight.float()
+                if isinstance(dst, RMSNorm) and type(src).__name__.startswith("Gemma"):
+                    w = w + 1.0  # Gemma norms store (weight - 1)
+                dst.weight.copy_(w)
+        h = cfg.hidden_size
+        self.fc.weight.zero_()
+        deepest = cfg.target_layer_ids.index(max(cfg.target_layer_ids))  # features are concatenated in tap order
+        self.fc.weight[:, deepest * h:(deepest + 1) * h].copy_(torch.eye(h))
+        self.hidden_norm.weight.copy_(self.layers[0].input_layernorm.weight)
+        return self
+
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """target_ids [Vd]: the distinct target tokens the draft may propose (sorted here)."""
         ids = torch.as_tensor(target_ids, dtype=torch.long).unique()

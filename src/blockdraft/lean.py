@@ -182,9 +182,13 @@ class LeanDecoder:
         return KVCache(len(self.layers), batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-                 tap: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 tap: tuple[int, ...] = (), key_mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [B, T] appended after cache.length -> (final-normed hidden [B, T, H], features [B, T, K*H] of the
-        tapped layers, in `tap` order, or None). The cache advances by T."""
+        tapped layers, in `tap` order, or None). The cache advances by T.
+
+        key_mask [B, cache.length + T] bool (True = a real token) hides padding slots from every query, for batches
+        of left-padded rows (with `positions` counting real tokens only)."""
         assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
         b, t = ids.shape
         start = cache.length
@@ -199,6 +203,10 @@ class LeanDecoder:
         if t > 1:
             slots = torch.arange(total, device=ids.device)
             mask = slots <= (start + torch.arange(t, device=ids.device)).unsqueeze(1)  # [T, total]
+        if key_mask is not None:
+            assert key_mask.shape == (b, total), f"key_mask must be [B, {total}], got {tuple(key_mask.shape)}"
+            km = key_mask[:, None, None, :]  # [B, 1, 1, total]
+            mask = km if mask is None else (mask[None, None] & km)
         taps: dict[int, torch.Tensor] = {}
         fast = self.compiled and t in self.compile_widths
         qkv_fns, out_fns = (self._qkv, self._out) if fast else (self._qkv_eager, self._out_eager)

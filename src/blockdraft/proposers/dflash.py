@@ -21,7 +21,9 @@ class DFlashProposer:
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
                  denoise_steps: int = 1) -> None:
         check_compatible(draft.config, target)
-        bs = block_size or draft.block_size
+        # default: the block size the draft's card recommends for decoding (a measured choice, e.g. a weak draft
+        # on a CPU verifies fewer tokens per step), else the one it was trained with
+        bs = block_size or int(draft.config.extra.get("decode_block_size") or draft.block_size)
         if bs < 1:
             raise ValueError("block_size must be >= 1")
         if denoise_steps < 1:

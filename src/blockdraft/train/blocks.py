@@ -64,16 +64,19 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, g
 
 
 def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                 mask_token_id: int) -> BlockBatch:
-    """input_ids/loss_mask [L], anchors [N] -> BlockBatch of N*B rows."""
+                 mask_token_id: int, label_ids: torch.Tensor | None = None) -> BlockBatch:
+    """input_ids/loss_mask [L], anchors [N] -> BlockBatch of N*B rows. label_ids [L] (default input_ids): the token
+    each position is labelled with, e.g. the target's own greedy choice there instead of the data's token."""
     assert input_ids.dim() == 1 and loss_mask.shape == input_ids.shape, "input_ids and loss_mask must be [L]"
+    label_ids = input_ids if label_ids is None else label_ids
+    assert label_ids.shape == input_ids.shape, "label_ids must be [L] like input_ids"
     seq_len = input_ids.numel()
     k = torch.arange(block_size)
     pos = (anchors.unsqueeze(1) + k).reshape(-1)  # [N*B]
     offsets = k.repeat(anchors.numel())
     inside = pos < seq_len
     safe = pos.clamp(max=seq_len - 1)
-    labels = torch.where(inside & loss_mask.bool()[safe] & (offsets > 0), input_ids[safe],
+    labels = torch.where(inside & loss_mask.bool()[safe] & (offsets > 0), label_ids[safe],
                          torch.full_like(pos, IGNORE))
     block_ids = torch.where(offsets == 0, input_ids[safe], torch.full_like(pos, mask_token_id))
     return BlockBatch(block_ids=block_ids, positions=pos, labels=labels, offsets=offsets, anchors=anchors,

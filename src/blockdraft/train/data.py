@@ -507,7 +507,7 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
                temperature: float = 0.0, batch_size: int = 8, max_prompt_tokens: int = 512, shard_size: int = 1000,
                seed: int = 0, max_batches: int | None = None,
                on_batch: Callable[[list[dict]], None] | None = None, progress: bool = True,
-               progress_interval: float = 1.0) -> RegenReport:
+               progress_interval: float = 1.0, lean: bool = True) -> RegenReport:
     """Answer every prompt with the target and append {id, input_ids, loss_mask} records to
     `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after each batch).
 
@@ -516,8 +516,13 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     partly done is regenerated whole with only the missing records written, so an interrupted-then-resumed run
     writes exactly the records of an uninterrupted one. Prompts over `max_prompt_tokens` are skipped (counted).
     `max_batches` stops after that many generated batches; `on_batch(records)` is called after each write.
+    lean: generate on the lean batched path (`batchgen.py`) when the model's architecture has one.
     """
     import torch
+
+    from ..batchgen import generate_batch
+    from ..lean import LeanDecoder
+    from ..target import TargetModel
 
     t0 = time.perf_counter()
     rep = RegenReport(total=len(prompts))
@@ -539,6 +544,10 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     device = next(model.parameters()).device
+    # the lean batched path where the architecture has one (~5x the tokens/s of model.generate on CPU), else HF's
+    lean_target = None
+    if lean and LeanDecoder.supports(model) is None:
+        lean_target = TargetModel(model, tokenizer)
     gen_kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None)
     if temperature > 0:
         gen_kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
@@ -559,17 +568,21 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
             if max_batches is not None and rep.batches >= max_batches:
                 rep.stopped_early = True
                 break
-            width = max(len(tok[i]) for i in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attn = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, i in enumerate(batch):
-                input_ids[r, width - len(tok[i]):] = torch.tensor(tok[i])
-                attn[r, width - len(tok[i]):] = 1
             if temperature > 0:
                 torch.manual_seed(seed * 1_000_003 + b)
-            with torch.inference_mode():
-                out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
-            out = out[:, width:].tolist()
+            if lean_target is not None:
+                out = generate_batch(lean_target, [tok[i] for i in batch], max_new_tokens, eos, temperature)
+            else:
+                width = max(len(tok[i]) for i in batch)
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                attn = torch.zeros((len(batch), width), dtype=torch.long)
+                for r, i in enumerate(batch):
+                    input_ids[r, width - len(tok[i]):] = torch.tensor(tok[i])
+                    attn[r, width - len(tok[i]):] = 1
+                with torch.inference_mode():
+                    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
+                                         **gen_kwargs)
+                out = out[:, width:].tolist()
             records = []
             for r, i in enumerate(batch):
                 if todo_ids[i] in writer.done:

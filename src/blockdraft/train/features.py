@@ -30,6 +30,13 @@ class OnlineFeatures:
         ids = torch.tensor(record["input_ids"], dtype=torch.long, device=self.target.device).unsqueeze(0)
         return self.target(ids, None, last_only=True, tap=True).features
 
+    def with_greedy(self, record: dict, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (features [1, L, K*H], greedy [L]): greedy[t] is the target's argmax next token after position t,
+        from the same forward (one extra [L, V] LM-head product)."""
+        ids = torch.tensor(record["input_ids"][:max_len], dtype=torch.long, device=self.target.device).unsqueeze(0)
+        out = self.target(ids, None, tap=True)
+        return out.features, out.logits[0].argmax(-1)
+
 
 def precompute_features(target: TargetModel, layer_ids, records: Iterable[dict], out_dir: str | Path,
                         shard_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -39,6 +39,8 @@ class TrainConfig:
     target: str | None = None
     init_draft: str | None = None  # start from this draft directory instead of a random init
     num_layers: int = 3
+    init_layers: str = "random"  # or "target": start the layers as copies of the target's last ones
+    target_labels: bool = False  # label every block row with the target's greedy token there (teacher-forced)
     block_size: int = 16
     num_target_features: int | None = None  # default: num_layers (as the public drafts)
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
@@ -129,8 +131,17 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
     anchors = sample_anchors(lm, cfg.num_anchors, draft_cfg.block_size, g, uniform=cfg.uniform_blocks)
     if anchors.numel() == 0:
         return None
-    bb = build_blocks(ids, lm, anchors, draft_cfg.block_size, draft_cfg.mask_token_id)
-    feats = None if cfg.no_target_features else features_fn(record)[:, : ids.numel()]
+    label_ids = None
+    if cfg.target_labels:
+        if not hasattr(features_fn, "with_greedy"):
+            raise ValueError("target_labels needs online features (the target's greedy tokens come from its forward)")
+        feats, greedy = features_fn.with_greedy(record, cfg.max_seq_len)
+        # the token at t+1 is labelled with what the target itself would emit after the true prefix up to t
+        label_ids = torch.cat([ids[:1], greedy[:-1].to(ids.device)])
+    else:
+        feats = None if cfg.no_target_features else features_fn(record)
+    feats = None if cfg.no_target_features else feats[:, : ids.numel()]
+    bb = build_blocks(ids, lm, anchors, draft_cfg.block_size, draft_cfg.mask_token_id, label_ids)
     ctx_len = 0 if feats is None else feats.shape[1]
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and target.device.type == "cuda")
     if use_flex:
@@ -254,6 +265,10 @@ def make_draft(cfg: TrainConfig, target: TargetModel, records: list[dict] | None
                                     mask_token_id=mask_id, num_target_features=cfg.num_target_features,
                                     draft_vocab_size=cfg.draft_vocab_size)
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
+    if cfg.init_layers == "target":
+        draft.init_layers_from_target(target)
+    elif cfg.init_layers != "random":
+        raise ValueError(f"init_layers must be random or target, got {cfg.init_layers!r}")
     if dcfg.draft_vocab_size is not None:
         if not records:
             raise ValueError("a reduced draft vocabulary is chosen from the training records: none given")
