@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Train a DFlash draft for the embedded default target (SmolLM2-135M-Instruct) on this machine's budget.
 
-Data: every regenerated record under data/work/regen-smollm2/shards (target-written answers) plus the original
-ShareGPT first answers of the *training* prompt set (decontaminated, held-out split excluded), shuffled together.
+Data: every regenerated record under data/work/regen-smollm2/shards (target-written answers; in a fresh checkout, the
+packed copies in data/smollm2-regen/) plus the original ShareGPT first answers of the *training* prompt set
+(decontaminated, held-out split excluded), shuffled together.
 Resumable: re-running the same command continues from the newest checkpoint.
 
     .venv/bin/python scripts/train_default.py --layers 2 --init-layers target --vocab-size 8192 --anchors 64 \
@@ -25,10 +26,12 @@ import torch
 
 from blockdraft.loading import load_target
 from blockdraft.train.conversations import conversation_records
-from blockdraft.train.data import read_shards, sharegpt_conversations, validate_record
+from blockdraft.train.data import (load_packed, read_shards, select_regeneration_prompts, sharegpt_conversations,
+                                   validate_record)
 from blockdraft.train.trainer import TrainConfig, train
 
-REGEN = Path("data/work/regen-smollm2")
+REGEN = Path("data/work/regen-smollm2")  # scripts/regen_default.py's output (not in git)
+PACKED = Path("data/smollm2-regen")  # the regenerated records committed, packed (uint16)
 
 
 def complete_records(directory: Path) -> list[dict]:
@@ -43,17 +46,39 @@ def complete_records(directory: Path) -> list[dict]:
     return out
 
 
+def regenerated_records() -> list[dict]:
+    """The regeneration's shards when this checkout ran it, else the packed copies committed in data/smollm2-regen
+    (the same records in the same order: train-000, -001, -002 are consecutive slices of the shards)."""
+    if (REGEN / "shards").is_dir():
+        return complete_records(REGEN / "shards")
+    return [r for p in sorted(PACKED.glob("train-*.npz")) for r in load_packed(p)]
+
+
+def heldout_records() -> list[dict]:
+    if (REGEN / "shards-heldout").is_dir():
+        return list(read_shards(REGEN / "shards-heldout"))
+    return load_packed(PACKED / "heldout.npz")
+
+
+def training_prompt_ids(tokenizer) -> list[str]:
+    """Ids of the training prompt set (written by the regeneration; rebuilt deterministically if absent)."""
+    path = REGEN / "prompts-train.jsonl"
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line)["id"] for line in f if line.strip()]
+    train, _, _ = select_regeneration_prompts(tokenizer)  # regen_default.py's defaults
+    return [p.id for p in train]
+
+
 def build_records(tokenizer, max_len: int, n_raw: int, seed: int, regen_limit: int | None = None) -> list[dict]:
-    regen = complete_records(REGEN / "shards") if (REGEN / "shards").is_dir() else []
+    regen = regenerated_records()
     # the regeneration appends in a fixed order, so the first N records are the same N in every later run: a
     # limit reproduces an earlier run's data while the regeneration goes on
     regen = regen[:regen_limit] if regen_limit is not None else regen
     for r in regen:
         r["input_ids"], r["loss_mask"] = r["input_ids"][:max_len], r["loss_mask"][:max_len]
     train_ids = set()
-    with open(REGEN / "prompts-train.jsonl", encoding="utf-8") as f:
-        pids = [json.loads(line)["id"] for line in f if line.strip()]
-    for pid in pids:
+    for pid in training_prompt_ids(tokenizer):
         if pid.startswith("sharegpt/"):
             train_ids.add(pid.removeprefix("sharegpt/"))
     done = {r["id"].removeprefix("sharegpt/") for r in regen}
@@ -95,7 +120,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
     recs = build_records(target.tokenizer, args.max_len, args.n_raw, args.seed, args.regen_limit)
-    held = list(read_shards(REGEN / "shards-heldout"))
+    held = heldout_records()
     cfg = TrainConfig(data=str(REGEN), out_dir=args.out, num_layers=args.layers, block_size=16,
                       num_anchors=args.anchors, batch_size=args.batch_size, max_steps=args.steps,
                       max_seq_len=args.max_len, save_every=50, keep_last=2, eval_every=0, eval_prompts=6,
