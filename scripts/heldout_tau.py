@@ -18,7 +18,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.loading import build_engine, load_target
-from blockdraft.train.data import read_shards
+from blockdraft.train.data import load_packed, read_shards
 from blockdraft.train.trainer import prompt_of
 
 HELDOUT = Path("data/work/regen-smollm2/shards-heldout")
@@ -34,7 +34,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
-    prompts = [prompt_of(r) for r in list(read_shards(HELDOUT))[: args.prompts]]
+    # the regeneration's held-out shards, or their packed copy in a fresh checkout (the same records, same order)
+    held = list(read_shards(HELDOUT)) if HELDOUT.is_dir() else load_packed("data/smollm2-regen/heldout.npz")
+    prompts = [prompt_of(r) for r in held[: args.prompts]]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     rows = []
     for spec in args.draft:

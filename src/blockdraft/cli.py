@@ -14,7 +14,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft directory, 'none' for plain decoding (default: shipped)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--block-size", type=int, default=None, help="tokens per verify step (default: the draft's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per verify step (default: the draft's recommended decode block size, else its trained "
+                        "size)")
     p.add_argument("--denoise-steps", type=int, default=1)
     p.add_argument("--hf-path", action="store_true",
                    help="decode through the target's HF modules and dynamic cache instead of the lean path")
