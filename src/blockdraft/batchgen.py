@@ -2,7 +2,8 @@
 
 Why not `model.generate`: on this project's CPUs a bf16 forward over 32 rows costs barely more than over one (AMX),
 so throughput scales with the batch, and the lean path (fused prepacked weights, preallocated cache written in place)
-does each step in a fraction of HF's time: the regeneration of training answers runs ~5x faster.
+does each step in a fraction of HF's time: the regeneration of training answers ran at ~270 tokens/s here (batch 64,
+2 threads) against 58-77 with `model.generate`.
 
 Rows are left-padded to one width; `positions` count real tokens only and a key mask hides the padding slots, so a
 row computes what it would alone, up to bf16 rounding of batched products (training data need not be bit-exact;

@@ -16,7 +16,8 @@ class KVCache:
     append(ks, vs): ks/vs are [num_layers, B, H_kv, T, D]; written at [length, length+T).
     write(layer, k, v) + length update: the same, one layer at a time (a decoder writes as it goes).
     view(layer) -> (k, v) of [B, H_kv, length, D] (views, no copies).
-    crop(n): keep the first n positions. reset(): length 0. select_rows(rows): keep those batch rows. Capacity grows by doubling if exceeded.
+    crop(n): keep the first n positions. reset(): length 0. select_rows(rows): keep those batch rows.
+    Capacity grows by doubling if exceeded.
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,

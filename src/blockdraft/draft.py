@@ -301,15 +301,13 @@ class DFlashDraftModel(nn.Module):
         if n > len(tl):
             raise ValueError(f"cannot copy {n} layers from a {len(tl)}-layer target")
         copied = tl[len(tl) - n:]
-        pairs = [("self_attn.q_proj", "self_attn.q_proj"), ("self_attn.k_proj", "self_attn.k_proj"),
-                 ("self_attn.v_proj", "self_attn.v_proj"), ("self_attn.o_proj", "self_attn.o_proj"),
-                 ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"), ("mlp.down_proj", "mlp.down_proj"),
-                 ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm")]
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
         for layer, src in zip(self.layers, copied):
-            for dst_name, src_name in pairs:
-                dst, srcm = layer.get_submodule(dst_name), src.get_submodule(src_name)
+            for name in names:
+                dst, srcm = layer.get_submodule(name), src.get_submodule(name)
                 if dst.weight.shape != srcm.weight.shape:
-                    raise ValueError(f"draft {dst_name} {tuple(dst.weight.shape)} != target "
+                    raise ValueError(f"draft {name} {tuple(dst.weight.shape)} != target "
                                      f"{tuple(srcm.weight.shape)}: layer init from the target needs equal shapes")
                 w = srcm.weight.float()
                 if isinstance(dst, RMSNorm) and type(src).__name__.startswith("Gemma"):
