@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from blockdraft.eval.tasks.base import Prompt, iter_jsonl, package_data_path, read_prompts_jsonl
+from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -371,12 +371,39 @@ def _shard_files(directory: Path) -> list[Path]:
     return sorted(directory.glob(SHARD_GLOB))
 
 
+def _parse_shard_line(raw: bytes, where: str) -> dict | None:
+    """One line of a shard -> its validated record (None for a blank line). Anything else raises ValueError starting
+    with `where` ("file:line"), plus the record's id when the line decodes that far."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte {e.start} of the line): the shard is corrupt") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        why = f"invalid JSON ({e.msg} at column {e.colno})"
+        if "\x00" in line:  # what a crash leaves where appended data never reached the disk
+            why += "; NUL bytes: the shard was cut by a crash"
+        elif not raw.endswith(b"\n"):
+            why += "; the last line is cut short: the shard is truncated"
+        raise ValueError(f"{where}: {why}") from None
+    if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+        where = f"{where} (record {obj['id']!r})"
+    return validate_record(obj, where)
+
+
 def read_shards(directory: str | Path) -> Iterator[dict]:
-    """Yield every record of `directory/shard-*.jsonl` in order, validated. A corrupt line (bad JSON, missing key,
-    input_ids/loss_mask length mismatch) raises ValueError naming the file and the line number."""
+    """Yield every record of `directory/shard-*.jsonl` in order, validated. A corrupt or truncated line (bad bytes,
+    bad JSON, missing key, input_ids/loss_mask length mismatch) raises ValueError naming the file, the line number
+    and, when readable, the record's id."""
     for path in _shard_files(Path(directory)):
-        for obj, where, _ in iter_jsonl(path):
-            yield validate_record(obj, where)
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                rec = _parse_shard_line(raw, f"{path}:{lineno}")
+                if rec is not None:
+                    yield rec
 
 
 class _ShardWriter:
@@ -411,16 +438,11 @@ class _ShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
         n = 0
-        for lineno, line in enumerate(data[:end].decode("utf-8").split("\n"), 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = validate_record(json.loads(line), where)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            self.done.add(rec["id"])
-            n += 1
+        for lineno, raw in enumerate(data[:end].split(b"\n"), 1):  # "\n" only, as file iteration splits
+            rec = _parse_shard_line(raw + b"\n", f"{path}:{lineno}")
+            if rec is not None:
+                self.done.add(rec["id"])
+                n += 1
         return n
 
     def write(self, records: list[dict]) -> None:
@@ -650,14 +672,59 @@ def pack_uint16(records: Iterable[dict], out_path: str | Path, vocab_size: int |
     return len(ids)
 
 
-def load_packed(path: str | Path) -> list[dict]:
-    """Records back from `pack_uint16`'s file (input_ids / loss_mask as lists of int)."""
+PACKED_ARRAYS = ("tokens", "loss_mask", "offsets", "ids")
+
+
+def _read_packed_arrays(path: Path) -> dict:
+    """The arrays of a packed `.npz`; ValueError naming the file (and the array) if it is truncated or corrupt."""
+    import zipfile
+    import zlib
+
     import numpy as np
 
-    with np.load(path, allow_pickle=False) as z:
-        tokens, mask, offsets, ids = z["tokens"], z["loss_mask"], z["offsets"], z["ids"]
-    if len(offsets) != len(ids) + 1 or offsets[-1] != len(tokens) or len(mask) != len(tokens):
-        raise ValueError(f"{path}: inconsistent packed arrays")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:  # a truncated zip loses its directory first
+        raise ValueError(f"{path}: not a readable .npz, truncated or corrupt ({e})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: a single array, not a packed .npz of records")
+    with z:
+        missing = [n for n in PACKED_ARRAYS if n not in z.files]
+        if missing:
+            raise ValueError(f"{path}: not a packed record file: no array {', '.join(missing)} (has {z.files})")
+        out = {}
+        for name in PACKED_ARRAYS:
+            try:
+                out[name] = z[name]
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:  # bad CRC, cut deflate
+                raise ValueError(f"{path}: array {name!r} is truncated or corrupt ({e})") from None
+    return out
+
+
+def load_packed(path: str | Path) -> list[dict]:
+    """Records back from `pack_uint16`'s file (input_ids / loss_mask as lists of int). A truncated or corrupt file
+    raises ValueError naming the file and the array; arrays that disagree, naming the first bad record."""
+    import numpy as np
+
+    a = _read_packed_arrays(Path(path))
+    tokens, mask, offsets, ids = (a[n] for n in PACKED_ARRAYS)
+    if any(x.ndim != 1 for x in a.values()) or ids.dtype.kind != "U" or any(
+            x.dtype.kind not in "iu" for x in (tokens, mask, offsets)):
+        raise ValueError(f"{path}: packed arrays of the wrong shape or type "
+                         f"({ {n: (x.dtype.str, x.shape) for n, x in a.items()} })")
+    if (len(offsets) != len(ids) + 1 or len(mask) != len(tokens) or offsets[0] != 0
+            or offsets[-1] != len(tokens)):
+        raise ValueError(f"{path}: {len(ids)} ids, {len(offsets)} offsets (want one more, from 0 to the number of "
+                         f"tokens), {len(tokens)} tokens, {len(mask)} loss_mask entries (want one per token)")
+    bad = {"ends before it starts (offsets decrease)": np.flatnonzero(np.diff(offsets) < 0),
+           "has a loss_mask value other than 0/1":  # the record holding the first bad entry
+               np.searchsorted(offsets, np.flatnonzero((mask != 0) & (mask != 1)), side="right") - 1}
+    for why, records in bad.items():
+        if records.size:
+            k = int(records[0])
+            raise ValueError(f"{path}: record {k} (id {str(ids[k])!r}) {why}")
     return [{"id": str(ids[k]), "input_ids": tokens[offsets[k]:offsets[k + 1]].astype(np.int64).tolist(),
              "loss_mask": mask[offsets[k]:offsets[k + 1]].astype(np.int64).tolist()} for k in range(len(ids))]
 

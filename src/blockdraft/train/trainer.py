@@ -1,5 +1,6 @@
 """The DFlash draft trainer: AdamW + cosine schedule, bf16 autocast, gradient accumulation, atomic checkpoints with
-exact resume (model, optimizer, scheduler, RNG, data position), periodic tau evaluation, DDP under torchrun.
+exact resume (model, optimizer, scheduler, RNG, data position; train/checkpoint.py), periodic tau evaluation, DDP under
+torchrun.
 
 Determinism: the data order of each epoch is a permutation seeded by (seed, epoch) and the anchors of a sample by
 (seed, sample index), so a run killed and resumed from a checkpoint replays exactly the batches an uninterrupted run
@@ -12,7 +13,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import time
 from contextlib import nullcontext
@@ -27,6 +27,7 @@ from ..draft import DFlashConfig, DFlashDraftModel, check_compatible
 from ..target import TargetModel
 from .blocks import (IGNORE, block_attention_mask, build_blocks, default_gamma, flex_block_mask, loss_weights,
                      sample_anchors)
+from .checkpoint import export_draft, latest_checkpoint, load_checkpoint, save_checkpoint, trim_log
 from .loss import block_loss
 
 log = logging.getLogger(__name__)
@@ -176,51 +177,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-def _ckpt_dirs(out: Path) -> list[Path]:
-    root = out / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / "state.json").is_file())
-
-
-def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, sched, state: dict, keep_last: int) -> Path:
-    """Write checkpoints/step-N atomically (temp dir + rename), then prune to the last `keep_last`."""
-    from safetensors.torch import save_file
-
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state['step']:07d}"
-    tmp = root / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    weights = {k: (v.float() if v.is_floating_point() else v).detach().contiguous()
-               for k, v in draft.state_dict().items()}
-    save_file(weights, str(tmp / "draft.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
-    (tmp / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=2))
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks the checkpoint complete
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in _ckpt_dirs(out)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(ckpt: Path, draft: DFlashDraftModel, opt, sched) -> dict:
-    from safetensors.torch import load_file
-
-    draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")))
-    blob = torch.load(ckpt / "optim.pt", weights_only=False)
-    opt.load_state_dict(blob["optimizer"])
-    sched.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"])
-    return json.loads((ckpt / "state.json").read_text())
 
 
 # --------------------------------------------------------------------------------------------------- the loop
@@ -387,14 +343,16 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio))
     state = {"step": 0, "samples_seen": 0, "config": asdict(cfg)}
-    ckpts = _ckpt_dirs(out)
-    if resume and ckpts:
-        state = load_checkpoint(ckpts[-1], draft, opt, sched)
-        log.info("resumed from %s (step %d)", ckpts[-1], state["step"])
+    ckpt = latest_checkpoint(out)
+    if resume and ckpt is not None:
+        state = load_checkpoint(ckpt, draft, opt, sched)
+        log.info("resumed from %s (step %d)", ckpt, state["step"])
     elif resume:
         log.info("--resume: no checkpoint in %s, starting fresh", out)
-    elif ckpts:
+    elif ckpt is not None:
         raise FileExistsError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
+    if resume and rank == 0:
+        trim_log(out / "train_log.jsonl", state["step"])
 
     eval_prompts = [prompt_of(r) for r in (heldout or [])[: cfg.eval_prompts]]
     log_path = out / "train_log.jsonl"
@@ -460,7 +418,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                 want = stop.set or done or (stop_after is not None and steps_here >= stop_after)
                 if want or state["step"] % cfg.save_every == 0:
                     save_checkpoint(out, draft, opt, sched, state, cfg.keep_last)
-                    draft.save_pretrained(out / "draft")
+                    export_draft(draft, out / "draft")
             if stop.set or (stop_after is not None and steps_here >= stop_after):
                 break
     if bar is not None:
