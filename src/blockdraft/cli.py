@@ -197,6 +197,19 @@ def _train_args(t: argparse.ArgumentParser) -> None:
             t.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default {default})")
 
 
+def cmd_export(args) -> int:
+    from .gguf_export import export_gguf
+
+    res = export_gguf(args.out, args.draft, args.target, args.outtype)
+    what = "target"
+    if res.target_layers is not None:
+        vocab = (f"draft vocabulary {res.draft_vocab_size} (d2t + head rows)" if res.draft_vocab_size
+                 else "full vocabulary")
+        what = f"draft, llama.cpp target layers {res.target_layers}, {vocab}"
+    print(f"wrote {res.path} ({res.tensors} tensors, {args.outtype} {what})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -258,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     _train_args(t)
     t.set_defaults(func=cmd_train)
+
+    x = sub.add_parser("export", help="export a DFlash draft (or, without --draft, the target) for llama.cpp")
+    x.add_argument("--format", default="gguf", choices=["gguf"])
+    x.add_argument("--draft", default=None, help="DFlash draft directory (omit: export the target itself)")
+    x.add_argument("--target", default=None, help="the target's GGUF file (default: packaged SmolLM2-135M)")
+    x.add_argument("--outtype", default="bf16", choices=["bf16", "f32"])
+    x.add_argument("--out", required=True, help="output .gguf file")
+    x.set_defaults(func=cmd_export)
 
     from .eval.bench import register as register_bench
 
