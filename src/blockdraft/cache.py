@@ -16,7 +16,8 @@ class KVCache:
     append(ks, vs): ks/vs are [num_layers, B, H_kv, T, D]; written at [length, length+T).
     write(layer, k, v) + length update: the same, one layer at a time (a decoder writes as it goes).
     view(layer) -> (k, v) of [B, H_kv, length, D] (views, no copies).
-    crop(n): keep the first n positions. reset(): length 0. select_rows(rows): keep those batch rows.
+    crop(n): keep the first n positions. compact(start, keep): keep a subset of the positions after start.
+    reset(): length 0. select_rows(rows): keep those batch rows.
     Capacity grows by doubling if exceeded.
     """
 
@@ -84,6 +85,20 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {n}")
         self.length = n
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep positions start + keep[j] at start + j and crop to start + len(keep): after a tree verify, the
+        accepted path's K/V move next to the committed context, whatever the order of the tree's nodes.
+        keep [M] int64, increasing (a parent precedes its child), start + keep[-1] < length."""
+        m = keep.numel()
+        assert keep.dim() == 1 and m >= 1 and bool((keep[1:] > keep[:-1]).all()), "keep must be increasing [M]"
+        if start + int(keep[-1]) >= self.length:
+            raise ValueError(f"cannot keep position {start + int(keep[-1])} of a cache of length {self.length}")
+        src = keep + start
+        # index_select copies first, so overlapping source and destination ranges are safe
+        self.k[:, :, :, start:start + m] = self.k.index_select(3, src)
+        self.v[:, :, :, start:start + m] = self.v.index_select(3, src)
+        self.length = start + m
 
     def reset(self) -> None:
         self.length = 0

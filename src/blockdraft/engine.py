@@ -18,7 +18,9 @@ from .config import GenerationConfig, SamplingParams
 from .proposers import NoDraft, Proposer
 from .sampling import logits_to_probs, make_generator, sample
 from .target import TargetModel
+from .tree import Tree, ancestor_mask, check_tree
 from .verify import greedy_verify, rejection_verify
+from .verify_tree import greedy_verify_tree, rejection_verify_tree
 
 
 @dataclass
@@ -33,6 +35,8 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    tree_nodes: list[int] = field(default_factory=list)  # tree methods: candidate nodes verified per step
+    tree: dict | None = None  # tree methods: the proposer's settings (budget, calibration)
 
     @property
     def tau(self) -> float:
@@ -66,6 +70,7 @@ class DecodeStats:
             "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds, "total_seconds": self.total_seconds,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            **({"tree_nodes": self.tree_nodes, "tree": self.tree} if self.tree is not None else {}),
         }
 
 
@@ -216,13 +221,15 @@ class SpeculativeEngine:
         target, proposer = self.target, self.proposer
         generator = None if sampling.greedy else make_generator(sampling.seed, target.device)
         block = config.block_size or getattr(proposer, "block_size", 1)
+        tree_mode = hasattr(proposer, "propose_tree")
         tap = bool(proposer.layer_ids)
         if tap and target.layer_ids != tuple(proposer.layer_ids):
             # engines may share one target (bench, comparisons): tap what this engine's proposer reads
             target.set_layer_ids(proposer.layer_ids)
         t0 = time.perf_counter()
         # room for the whole generation plus one verify block, so the preallocated cache never has to grow
-        cache = target.new_decode_cache(min(target.max_context, prompt.numel() + config.max_new_tokens + block + 1))
+        width = getattr(proposer, "max_nodes", block) if tree_mode else block
+        cache = target.new_decode_cache(min(target.max_context, prompt.numel() + config.max_new_tokens + width + 1))
         out = target.forward(prompt.unsqueeze(0), cache, last_only=True, tap=tap)
         stats.target_forwards += 1
         first = pick_token(out.logits[0, -1], sampling, generator)
@@ -239,30 +246,63 @@ class SpeculativeEngine:
                     return
                 num_draft = max(0, min(block - 1, config.max_new_tokens - produced - 1, room))
                 t1 = time.perf_counter()
-                prop = proposer.propose(tokens, num_draft, sampling, generator)
-                t2 = time.perf_counter()
-                g = prop.tokens.numel()
-                ids = torch.cat([tokens[-1:], prop.tokens]).unsqueeze(0)
-                out = target.forward(ids, cache, tap=tap)
-                stats.target_forwards += 1
-                if sampling.greedy:
-                    committed, acc = greedy_verify(prop.tokens.unsqueeze(0), out.logits)
+                if tree_mode:
+                    tree = proposer.propose_tree(tokens, num_draft, sampling, generator)
+                    t2 = time.perf_counter()
+                    if tree.max_depth > num_draft:
+                        raise ValueError(f"malformed tree: depth {tree.max_depth} > the {num_draft} positions left")
+                    step = self._verify_tree(tree, cache, tokens, sampling, generator, tap)
+                    a, g = step.numel() - 1, tree.max_depth
+                    stats.tree_nodes.append(tree.num_nodes - 1)
                 else:
-                    p = logits_to_probs(out.logits, sampling)
-                    q = prop.probs.unsqueeze(0) if prop.probs is not None else None
-                    committed, acc = rejection_verify(prop.tokens.unsqueeze(0), q, p, generator)
-                a = int(acc[0])
-                cache.crop(n + a)
-                if tap:
-                    proposer.accept(out.features[:, : a + 1], a + 1)
+                    prop = proposer.propose(tokens, num_draft, sampling, generator)
+                    t2 = time.perf_counter()
+                    g = prop.tokens.numel()
+                    ids = torch.cat([tokens[-1:], prop.tokens]).unsqueeze(0)
+                    out = target.forward(ids, cache, tap=tap)
+                    if sampling.greedy:
+                        committed, acc = greedy_verify(prop.tokens.unsqueeze(0), out.logits)
+                    else:
+                        p = logits_to_probs(out.logits, sampling)
+                        q = prop.probs.unsqueeze(0) if prop.probs is not None else None
+                        committed, acc = rejection_verify(prop.tokens.unsqueeze(0), q, p, generator)
+                    a = int(acc[0])
+                    cache.crop(n + a)
+                    if tap:
+                        proposer.accept(out.features[:, : a + 1], a + 1)
+                    step = committed[0, : a + 1]
+                stats.target_forwards += 1
                 t3 = time.perf_counter()
                 stats.draft_seconds += t2 - t1
                 stats.verify_seconds += t3 - t2
                 stats.accept_lengths.append(a + 1)
                 stats.record(g, a)
-                step = committed[0, : a + 1]
                 tokens = torch.cat([tokens, step])
                 produced += a + 1
                 yield step.tolist()
         finally:
             stats.total_seconds = time.perf_counter() - t0
+            if tree_mode:
+                stats.tree = proposer.describe()
+
+    def _verify_tree(self, tree: Tree, cache, tokens: torch.Tensor, sampling: SamplingParams, generator,
+                     tap: bool) -> torch.Tensor:
+        """One target forward over the whole tree (node i at position n-1+depth[i], attending to the cache and to
+        its ancestors), acceptance, then the cache keeps only the accepted path (in path order, at positions
+        n-1 .. n-1+a). tokens [n] committed so far. Returns the committed tokens [a + 1]; the proposer gets the
+        path's features."""
+        target, n = self.target, tokens.numel()
+        check_tree(tree, target.vocab_size)
+        if int(tree.tokens[0]) != int(tokens[-1]):
+            raise ValueError("malformed tree: its root must be the last committed token")
+        pos = (tree.depth + (n - 1)).unsqueeze(0)
+        out = target.forward(tree.tokens.unsqueeze(0), cache, tap=tap, positions=pos,
+                             tree_mask=ancestor_mask(tree.parents))
+        if sampling.greedy:
+            path, committed = greedy_verify_tree(tree, out.logits[0])
+        else:
+            path, committed = rejection_verify_tree(tree, logits_to_probs(out.logits[0], sampling), generator)
+        keep = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+        cache.compact(n - 1, keep)
+        self.proposer.accept_tree(tree, path, out.features[:, keep] if tap else None)
+        return torch.tensor(committed, dtype=torch.long, device=tree.tokens.device)

@@ -182,13 +182,15 @@ class LeanDecoder:
         return KVCache(len(self.layers), batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-                 tap: tuple[int, ...] = (), key_mask: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 tap: tuple[int, ...] = (), key_mask: torch.Tensor | None = None,
+                 tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [B, T] appended after cache.length -> (final-normed hidden [B, T, H], features [B, T, K*H] of the
         tapped layers, in `tap` order, or None). The cache advances by T.
 
         key_mask [B, cache.length + T] bool (True = a real token) hides padding slots from every query, for batches
-        of left-padded rows (with `positions` counting real tokens only)."""
+        of left-padded rows (with `positions` counting real tokens only).
+        tree_mask [T, T] bool (True = query i sees new token j) replaces causal order among the new tokens, for a
+        candidate tree (tree.py; `positions` then give each node's depth): every query still sees the whole cache."""
         assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
         b, t = ids.shape
         start = cache.length
@@ -200,7 +202,10 @@ class LeanDecoder:
         cache.reserve(total)
         # new query i sits at slot start + i and sees slots 0 .. start + i (causal with an offset); q = 1 sees all
         mask = None
-        if t > 1:
+        if tree_mask is not None:
+            assert tree_mask.shape == (t, t) and key_mask is None, f"tree_mask must be [{t}, {t}] (no key_mask)"
+            mask = torch.cat([tree_mask.new_ones(t, start), tree_mask], dim=1)  # [T, total]
+        elif t > 1:
             slots = torch.arange(total, device=ids.device)
             mask = slots <= (start + torch.arange(t, device=ids.device)).unsqueeze(1)  # [T, total]
         if key_mask is not None:

@@ -55,6 +55,23 @@ class TargetCache:
         if n < cur:
             self.hf.crop(n - cur)
 
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep positions start + keep[j] at start + j and crop to start + len(keep) (see KVCache.compact): the
+        accepted path of a candidate tree. keep [M] int64, increasing. Full-attention layers only."""
+        m = keep.numel()
+        assert keep.dim() == 1 and m >= 1 and bool((keep[1:] > keep[:-1]).all()), "keep must be increasing [M]"
+        if start + int(keep[-1]) >= self.length:
+            raise ValueError(f"cannot keep position {start + int(keep[-1])} of a cache of length {self.length}")
+        layers = getattr(self.hf, "layers", None)
+        if layers is None or any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise ValueError("tree verification needs a cache of full-attention layers (no sliding windows)")
+        src = keep.to(layers[0].keys.device) + start
+        for layer in layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)
+                x[:, :, start:start + m] = x.index_select(2, src)  # index_select copies: overlap is safe
+        self.crop(start + m)
+
 
 class TargetModel(nn.Module):
     """Wraps an HF `*ForCausalLM`. `layer_ids` are the decoder layers whose outputs form the draft's context."""
@@ -205,11 +222,13 @@ class TargetModel(nn.Module):
     # their inputs for backward, which inference tensors forbid.
     @torch.no_grad()
     def hidden(self, ids: torch.Tensor, cache: TargetCache | None, *, positions: torch.Tensor | None = None,
-               attention_mask: torch.Tensor | None = None, tap: bool = True):
+               attention_mask: torch.Tensor | None = None, tap: bool = True, tree_mask: torch.Tensor | None = None):
         """Final hidden states (before the LM head) and tapped features of new tokens.
 
         ids: [B, T]; positions: [B, T] (default: cache.length .. cache.length + T - 1 for every row);
-        attention_mask: [B, cache slots + T] (1 = visible), for batches whose rows have holes or padding.
+        attention_mask: [B, cache slots + T] (1 = visible), for batches whose rows have holes or padding;
+        tree_mask: [T, T] bool (True = new token i sees new token j; every one sees the whole cache), for a candidate
+        tree (tree.py), with positions = cache length + node depth.
         Returns (hidden [B, T, H], features [B, T, K*H] or None).
         """
         assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
@@ -221,7 +240,16 @@ class TargetModel(nn.Module):
             assert attention_mask is None, "the lean path decodes dense rows only (no holes or padding)"
             lean = self.lean
             assert lean is not None, "a KVCache needs the lean path (see new_decode_cache)"
-            return lean(ids, cache, positions, self.layer_ids if tap else ())
+            return lean(ids, cache, positions, self.layer_ids if tap else (), tree_mask=tree_mask)
+        if tree_mask is not None:
+            assert attention_mask is None and ids.shape[0] == 1, "a tree is verified alone (batch 1, no padding)"
+            t = ids.shape[1]
+            assert tree_mask.shape == (t, t), f"tree_mask must be [{t}, {t}], got {tuple(tree_mask.shape)}"
+            past = cache.length if cache is not None else 0
+            seen = torch.cat([tree_mask.new_ones(t, past), tree_mask], dim=1)
+            # an additive 4D mask is used as given by the HF attention (eager and sdpa alike)
+            attention_mask = torch.zeros(1, 1, t, past + t, dtype=self.dtype, device=ids.device).masked_fill(
+                ~seen, torch.finfo(self.dtype).min)
         self._captured = {} if (tap and self.layer_ids) else None
         try:
             kw = {self._cache_kw: cache.hf} if cache is not None else {}
@@ -238,13 +266,15 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: TargetCache | None, *, last_only: bool = False,
-                tap: bool = True) -> TargetOutput:
+                tap: bool = True, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> TargetOutput:
         """Run the target over new tokens appended after the cache.
 
-        ids: [B, T] int64 at positions cache.length .. cache.length + T - 1.
+        ids: [B, T] int64 at positions cache.length .. cache.length + T - 1 (or `positions` [B, T]).
         last_only: compute logits for the last position only (prefill), saving a [T, V] LM-head product.
         tap: capture the tapped layers' outputs as features [B, T, K*H].
+        tree_mask: [T, T] bool, the new tokens form a candidate tree (see `hidden`).
         """
-        hidden, feats = self.hidden(ids, cache, tap=tap)
+        hidden, feats = self.hidden(ids, cache, tap=tap, positions=positions, tree_mask=tree_mask)
         logits = self.logits(hidden[:, -1:] if last_only else hidden)
         return TargetOutput(logits=logits, features=feats)

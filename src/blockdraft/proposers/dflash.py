@@ -78,6 +78,24 @@ class DFlashProposer:
         return self._head(hidden)
 
     @torch.no_grad()
+    def distributions(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams) -> torch.Tensor:
+        """The draft's distribution at each of the next G = min(num_draft, block_size - 1) positions from one
+        forward, [G, V] over the target's vocabulary (zero outside a reduced draft vocabulary): a softmax for greedy
+        decoding (a confidence), else processed like the target's (temperature, top-k, top-p) for rejection
+        sampling. A candidate tree (tree.py) is built from these rows."""
+        g = min(num_draft, self.block_size - 1)
+        n = tokens.shape[0]
+        assert g >= 1, "at least one position to draft"
+        assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
+        block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[0] = tokens[-1]
+        logits = self._draft_logits(block, n - 1).float()  # [g, Vd]
+        probs = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        if self.vocab_ids is None:
+            return probs
+        return probs.new_zeros(g, self.target.vocab_size).index_copy_(1, self.vocab_ids, probs)
+
+    @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         g = min(num_draft, self.block_size - 1)

@@ -36,6 +36,35 @@ def find_continuation(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3,
     return empty
 
 
+def find_continuations(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1,
+                       max_branches: int = 2) -> list[list[int]]:
+    """Up to `max_branches` different continuations (token lists of up to `num_tokens`): the one
+    `find_continuation` returns first, then those after other occurrences (longest n-gram first, most recent
+    first). A continuation that is a prefix of one already found is skipped: a tree would merge it away."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long).cpu()
+    L = tokens.numel()
+    found: list[list[int]] = []
+    if num_tokens <= 0 or max_branches <= 0:
+        return found
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        if n < 1:
+            break
+        windows = tokens[: L - 1].unfold(0, n, 1)
+        hits = (windows == tokens[L - n:]).all(dim=-1).nonzero().flatten().tolist()
+        for h in reversed(hits):
+            cont = tokens[h + n: h + n + num_tokens].tolist()
+            if not cont or any(f[: len(cont)] == cont for f in found):
+                continue
+            longer = next((i for i, f in enumerate(found) if cont[: len(f)] == f), None)
+            if longer is not None:  # it extends one already found (cut short by the end of the text): replace it
+                found[longer] = cont
+                continue
+            found.append(cont)
+            if len(found) == max_branches:
+                return found
+    return found
+
+
 class PromptLookupProposer:
     """The Proposer protocol over n-gram lookup in the committed tokens (name "pld", no target features)."""
 

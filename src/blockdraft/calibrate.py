@@ -1,0 +1,132 @@
+"""Verify-cost calibration: how long the target takes to verify N tokens at once, N = 1..64 (issue #13).
+
+A tree's node budget trades acceptance for verify time. On a CPU with bf16 matrix units a 16-token verify costs
+little more than a 1-token step, but the curve is machine-, dtype- and thread-specific, so it is measured rather than
+assumed: `measure_verify_cost` times target forwards of every width on a fixed context (minimum over repetitions,
+which is robust to other processes' bursts), and `load_or_measure` keeps the result in the cache directory, keyed by
+the target's weights layout, dtype, path, thread count, CPU and torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_WIDTH = 64
+CONTEXT = 256  # committed tokens in the cache while timing: a typical prompt plus part of an answer
+
+
+@dataclass
+class VerifyCost:
+    seconds: list[float]  # seconds[w - 1]: one target forward of w new tokens (features tapped) on `context` cached
+    context: int = CONTEXT
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.seconds or any(not (s > 0) for s in self.seconds):
+            raise ValueError("a verify-cost calibration needs a positive time for every width 1..N")
+
+    @property
+    def max_width(self) -> int:
+        return len(self.seconds)
+
+    def __call__(self, width: int) -> float:
+        """Seconds to verify `width` tokens (linear extrapolation past the measured range)."""
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        if width <= self.max_width:
+            return self.seconds[width - 1]
+        last = self.seconds[-1]
+        slope = max(0.0, (last - self.seconds[0]) / max(1, self.max_width - 1))
+        return last + slope * (width - self.max_width)
+
+    def summary(self) -> dict:
+        """Milliseconds at a few widths and relative to one token: what the stats and the bench report show."""
+        pick = [w for w in (1, 2, 4, 8, 16, 24, 32, 48, 64) if w <= self.max_width]
+        return {"context": self.context, "ms": {w: round(1e3 * self(w), 3) for w in pick},
+                "relative": {w: round(self(w) / self(1), 3) for w in pick}, **self.meta}
+
+
+def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTEXT, reps: int = 3,
+                        seed: int = 0) -> VerifyCost:
+    """Time target forwards of 1..max_width tokens after a `context`-token prefill (random tokens: the cost does
+    not depend on them). Widths are visited in a rotating order per repetition so that slow phases of the machine
+    spread over all of them; each width keeps its fastest time."""
+    if max_width < 1 or context < 1 or reps < 1:
+        raise ValueError("max_width, context and reps must be >= 1")
+    context = min(context, target.max_context - max_width - 1)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, context + max_width), generator=g).to(target.device)
+    cache = target.new_decode_cache(context + max_width + 1)
+    tap = bool(target.layer_ids)
+    with torch.no_grad():
+        target.forward(ids[:, :context], cache, last_only=True, tap=False)
+        best = [float("inf")] * max_width
+        for r in range(reps + 1):  # repetition 0 warms up every width (first-call allocations) and is not kept
+            order = list(range(1, max_width + 1))
+            k = (r * 7) % max_width
+            for w in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                target.forward(ids[:, context:context + w], cache, tap=tap)
+                dt = time.perf_counter() - t0
+                cache.crop(context)
+                if r > 0:
+                    best[w - 1] = min(best[w - 1], dt)
+    return VerifyCost(best, context, {"threads": torch.get_num_threads(), "dtype": str(target.dtype).replace(
+        "torch.", ""), "path": "lean" if target.lean is not None else "hf", "reps": reps})
+
+
+def _key(target) -> str:
+    cfg = target.config
+    parts = [getattr(cfg, "model_type", ""), cfg.hidden_size, getattr(cfg, "intermediate_size", ""),
+             target.num_layers, target.vocab_size, getattr(cfg, "num_attention_heads", ""),
+             getattr(cfg, "num_key_value_heads", ""), str(target.dtype), str(target.device),
+             "lean" if target.lean is not None else "hf", torch.get_num_threads(), torch.__version__,
+             platform.processor() or platform.machine(), _cpu_model()]
+    return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.lower().startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def calibration_path(target) -> Path:
+    from .loading import cache_dir
+
+    return cache_dir() / "calibration" / f"verify-cost-{_key(target)}.json"
+
+
+def load_or_measure(target, refresh: bool = False, path: Path | None = None, **measure_kw) -> VerifyCost:
+    """The cached calibration for this target and machine setup, else a fresh measurement (saved). refresh=True
+    always measures (the benchmark does, so that its budget reflects the machine as it is during the run)."""
+    path = path or calibration_path(target)
+    if not refresh and path.is_file():
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            cost = VerifyCost(d["seconds"], d["context"], d.get("meta", {}))
+            log.info("verify-cost calibration from %s", path)
+            return cost
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring a corrupt calibration file %s (%s): measuring again", path, e)
+    t0 = time.perf_counter()
+    cost = measure_verify_cost(target, **measure_kw)
+    cost.meta["measured_seconds"] = round(time.perf_counter() - t0, 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(cost)), encoding="utf-8")
+    tmp.replace(path)
+    log.info("verify cost measured in %.1f s, saved to %s", cost.meta["measured_seconds"], path)
+    return cost

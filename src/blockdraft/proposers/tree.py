@@ -1,0 +1,126 @@
+"""Tree proposer: one DFlash forward and/or prompt lookup -> a candidate tree that the target verifies in one forward.
+
+Methods (issue #13): `dflash-tree` (the draft's best branches) and `dflash+lookup` (the same tree plus prompt-lookup
+continuations as extra branches, merged where the draft proposes the same tokens). The engine drives it through
+`propose_tree` / `accept_tree` instead of `propose` / `accept` (see engine.py).
+
+Node budget: fixed (`budget`), or chosen every step from a measured verify-cost curve (`calibrate.VerifyCost`): with
+the candidate nodes in best-first order (scores s_1 >= s_2 >= ...; a node's score estimates the probability that it
+is accepted, so the expected tokens committed by a tree of b nodes is 1 + s_1 + ... + s_b), keep the b that maximises
+expected tokens per second, (1 + s_1 + ... + s_b) / (draft time + verify_cost(b + 1)).
+
+Scores: the product of the draft's probabilities along the path; a lookup token's factor is the running acceptance
+rate of that lookup branch in this generation (prior 1/2), or the draft's probability of the token when higher.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..config import SamplingParams
+from ..tree import Tree, build_tree
+from .dflash import DFlashProposer
+from .lookup import find_continuations
+
+MAX_BUDGET = 63  # nodes below the root: verify widths up to 64, the calibrated range
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth two observations
+
+
+class TreeProposer:
+    def __init__(self, draft: DFlashProposer | None, *, lookup: bool = False, budget: int | None = None,
+                 top_k: int = 8, verify_cost: Callable[[int], float] | None = None, max_budget: int = MAX_BUDGET,
+                 lookup_depth: int = 15, lookup_branches: int = 2, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        """draft: the DFlash proposer whose distributions grow the tree (its block size sets the draft's depth);
+        None with lookup=True: lookup branches only. budget: a fixed number of nodes below the root; None: chosen
+        per step from verify_cost(width) -> seconds (required then). top_k: draft children per node."""
+        if draft is None and not lookup:
+            raise ValueError("a tree needs a draft, prompt lookup, or both")
+        if budget is None and verify_cost is None:
+            raise ValueError("give a fixed node budget or a verify-cost calibration to choose it")
+        if budget is not None and not 0 <= budget <= 1023:
+            raise ValueError(f"tree budget must be in 0..1023 nodes, got {budget}")
+        if top_k < 1 or lookup_depth < 1 or lookup_branches < 1 or max_budget < 0:
+            raise ValueError("top_k, lookup_depth and lookup_branches must be >= 1 and max_budget >= 0")
+        self.draft, self.lookup = draft, lookup
+        self.name = "dflash+lookup" if lookup and draft is not None else ("dflash-tree" if draft else "lookup-tree")
+        self.layer_ids = draft.layer_ids if draft is not None else ()
+        self.budget, self.top_k, self.verify_cost, self.max_budget = budget, top_k, verify_cost, max_budget
+        self.draft_depth = draft.block_size - 1 if draft is not None else 0
+        self.lookup_depth = lookup_depth if lookup else 0
+        self.lookup_branches, self.max_ngram, self.min_ngram = lookup_branches, max_ngram, min_ngram
+        self.block_size = max(self.draft_depth, self.lookup_depth) + 1  # the engine's depth limit is block_size - 1
+        self.max_nodes = 1 + (budget if budget is not None else max_budget)
+        self._draft_s: float | None = None  # running mean of the draft forward's time, for the budget choice
+        self._lookups: list[list[int]] = []
+        self._hits, self._trials = [0.0] * lookup_branches, [0.0] * lookup_branches
+
+    # ---------------------------------------------------------------------------------------------- life cycle
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        if self.draft is not None:
+            self.draft.start(prompt_ids, features)
+        # acceptance rates are learnt per generation, so that a seeded sampling run is reproducible
+        self._hits, self._trials = [0.0] * self.lookup_branches, [0.0] * self.lookup_branches
+
+    def lookup_rate(self, branch: int) -> float:
+        return (self._hits[branch] + PRIOR_HITS) / (self._trials[branch] + PRIOR_TRIALS)
+
+    @torch.no_grad()
+    def propose_tree(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> Tree:
+        """tokens [n] committed (the last one becomes the root) -> a tree of depth <= max_depth."""
+        q = None
+        d_draft = min(max_depth, self.draft_depth)
+        if d_draft > 0:
+            t0 = time.perf_counter()
+            q = self.draft.distributions(tokens, d_draft, sampling)  # [D, V]
+            dt = time.perf_counter() - t0
+            self._draft_s = dt if self._draft_s is None else 0.8 * self._draft_s + 0.2 * dt
+        d_lookup = min(max_depth, self.lookup_depth)
+        self._lookups = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
+                         if d_lookup > 0 else [])
+        return build_tree(int(tokens[-1]), q, budget=self.budget if self.budget is not None else self.max_budget,
+                          top_k=self.top_k, lookups=self._lookups,
+                          lookup_conf=[self.lookup_rate(r) for r in range(len(self._lookups))],
+                          max_depth=max_depth, sample=not sampling.greedy,
+                          choose=None if self.budget is not None else self.choose_budget, generator=generator)
+
+    def choose_budget(self, scores: list[float]) -> int:
+        """scores of the candidate nodes in best-first (non-increasing) order -> how many to verify."""
+        fixed = self._draft_s or 0.0
+        best_b, best_rate, expected = 0, 1.0 / (fixed + self.verify_cost(1)), 1.0
+        for b, s in enumerate(scores, start=1):
+            expected += s
+            rate = expected / (fixed + self.verify_cost(b + 1))
+            if rate > best_rate:
+                best_b, best_rate = b, rate
+        return best_b
+
+    def accept_tree(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
+        """After verification: path = the accepted nodes from the root; features [1, len(path), K*H] of them."""
+        if self.draft is not None:
+            self.draft.accept(features, len(path))
+        if not self._lookups:
+            return
+        kids, tokens, on_path = tree.children(), tree.tokens.tolist(), set(path)
+        for r, cont in enumerate(self._lookups):
+            node = 0  # walk branch r while the target accepted it: each verified token is a trial
+            for tok in cont:
+                child = next((c for c in kids[node] if tokens[c] == tok), None)
+                if child is None:
+                    break
+                self._trials[r] += 1
+                if child not in on_path:
+                    break
+                self._hits[r] += 1
+                node = child
+
+    def describe(self) -> dict:
+        """What the stats report about this proposer's tree settings."""
+        d = {"method": self.name, "top_k": self.top_k, "draft_depth": self.draft_depth,
+             "lookup_depth": self.lookup_depth, "budget": self.budget if self.budget is not None else "auto"}
+        if self.budget is None and hasattr(self.verify_cost, "summary"):
+            d["calibration"] = self.verify_cost.summary()
+        return d

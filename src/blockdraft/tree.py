@@ -1,0 +1,267 @@
+"""Candidate trees: many continuations of the committed text, verified by the target in one forward (issue #13).
+
+A DFlash forward yields a distribution at every block position; the chain keeps only the top-1 token per position
+and throws the near-misses away. A tree keeps the most promising alternatives (DDTree-style best-first expansion
+under a node budget; score = product of the draft's probabilities along the path) and adds prompt-lookup
+continuations as extra branches, merged with the draft's nodes where their prefixes coincide.
+
+Layout (`Tree`): node 0 is the root, the last committed token t (not yet in the target's cache); every other node is
+one candidate token. Nodes are numbered so that a parent precedes its children and siblings are in the order the
+verifier tries them (breadth-first from the root). With n committed tokens, node i sits at position
+n - 1 + depth[i] and attends to the committed context and to its ancestors (itself included) only, which is what
+`ancestor_mask` returns.
+
+Sampling trees (temperature > 0) are built in two stages so that rejection sampling over siblings stays lossless:
+the *shape* (how many children each node gets, which are lookup tokens) is decided from the draft's distributions
+and the lookup continuations only; then the sampled children of each node are drawn without replacement from the
+draft distribution q of their depth, the lookup (point-mass) siblings excluded. A child's draw distribution is thus
+"q with the tokens of its earlier siblings removed, renormalised", which is what `verify_tree.rejection_verify_tree`
+assumes. Choosing which sampled candidates to keep after seeing them would bias the output; the shape never looks at
+them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] int64; tokens[0] is the root (the last committed token)
+    parents: torch.Tensor  # [N] int64; -1 for the root, else the index of an earlier node
+    depth: torch.Tensor  # [N] int64; 0 for the root, depth[parent] + 1 otherwise
+    point_mass: torch.Tensor  # [N] bool; proposed deterministically (prompt lookup) instead of drawn from q
+    score: torch.Tensor  # [N] float; estimated probability that the node ends up on the accepted path (root: 1)
+    q: torch.Tensor | None = None  # [D, V] float: sampled children at depth d were drawn from row d-1; None: greedy
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def children(self) -> list[list[int]]:
+        """children()[i] = the children of node i, in index order (the order the verifier tries them)."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to `node` (the root excluded)."""
+        parents, tokens = self.parents.tolist(), self.tokens.tolist()
+        out = []
+        while node > 0:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
+
+
+class MalformedTree(ValueError):
+    """A tree that the verifier cannot use (bad shapes, a parent after its child, duplicate siblings, ...)."""
+
+
+def check_tree(tree: Tree, vocab_size: int) -> None:
+    """Raise MalformedTree with the reason if `tree` breaks the layout described in the module docstring."""
+    t = tree.tokens
+    if t.dim() != 1 or t.numel() < 1:
+        raise MalformedTree(f"tokens must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    n = t.numel()
+    for name in ("parents", "depth", "point_mass", "score"):
+        x = getattr(tree, name)
+        if x.shape != (n,):
+            raise MalformedTree(f"{name} must have shape [{n}] like tokens, got {tuple(x.shape)}")
+    if t.dtype != torch.long or tree.parents.dtype != torch.long or tree.depth.dtype != torch.long:
+        raise MalformedTree("tokens, parents and depth must be int64")
+    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+        raise MalformedTree(f"tree has token ids outside the vocabulary (0..{vocab_size - 1})")
+    parents, depth, tokens = tree.parents.tolist(), tree.depth.tolist(), t.tolist()
+    if parents[0] != -1 or depth[0] != 0:
+        raise MalformedTree("node 0 must be the root: parent -1, depth 0")
+    seen: set[tuple[int, int]] = set()
+    for i in range(1, n):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise MalformedTree(f"node {i} has parent {p}: a parent must be an earlier node (0..{i - 1})")
+        if depth[i] != depth[p] + 1:
+            raise MalformedTree(f"node {i} has depth {depth[i]} but its parent {p} has depth {depth[p]}")
+        if (p, tokens[i]) in seen:
+            raise MalformedTree(f"node {p} has two children with token {tokens[i]}: siblings must differ")
+        seen.add((p, tokens[i]))
+    if tree.q is not None:
+        pm = tree.point_mass.tolist()
+        deepest = max([0] + [d for d, m in zip(depth[1:], pm[1:]) if not m])  # the deepest sampled node
+        if tree.q.dim() != 2 or tree.q.shape[0] < deepest or tree.q.shape[1] != vocab_size:
+            raise MalformedTree(f"q must be [D >= {deepest}, {vocab_size}], got {tuple(tree.q.shape)}")
+        kids = tree.children()
+        for p in range(n):
+            flags = [pm[c] for c in kids[p]]
+            if flags != sorted(flags, reverse=True):
+                raise MalformedTree(f"node {p}: point-mass children must precede the sampled ones")
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [N] int64 (topologically ordered) -> [N, N] bool, True where column j is row i or an ancestor of it:
+    the part of the tree attention mask among the tree's own nodes."""
+    par = parents.tolist()
+    n = len(par)
+    rows = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        if par[i] >= 0:
+            rows[i] = rows[par[i]]
+        rows[i, i] = True
+    return rows.to(parents.device)
+
+
+@dataclass
+class _Node:
+    parent: int  # index in pop order
+    depth: int
+    token: int | None  # None: a sampled slot whose token is drawn after the shape is fixed
+    point_mass: bool
+    score: float
+    lookup: frozenset  # lookup branches (indices into the continuations) that this node follows
+
+
+def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lookups: Sequence[Sequence[int]] = (),
+               lookup_conf: Sequence[float] = (), max_depth: int | None = None, sample: bool = False,
+               choose: Callable[[list[float]], int] | None = None,
+               generator: torch.Generator | None = None) -> Tree:
+    """Build a candidate tree by best-first expansion.
+
+    root: the last committed token. q: [D, V] the draft's distribution at depths 1..D (None: no draft, lookup only).
+    budget: at most this many candidate nodes (the root excluded); top_k: at most this many draft children per node.
+    lookups: prompt-lookup continuations (token lists starting at depth 1); lookup_conf[r]: the estimated probability
+    that a token of continuation r is accepted given that its parent was (branch r's nodes score their parent's score
+    times that, or times the draft's probability of the token when it is higher: a lookup token the draft also
+    proposes is one node). max_depth: no node deeper than this.
+    sample: False -> every draft child is one of the top-k tokens of q (greedy verification); True -> draft children
+    are slots filled by drawing without replacement from q (lookup siblings excluded) after the shape is fixed.
+    choose(scores) -> how many of the best nodes to keep; scores are in non-increasing order (default: all).
+    Returns the tree in breadth-first order (see the module docstring).
+    """
+    if budget < 0 or top_k < 0:
+        raise ValueError(f"budget and top_k must be >= 0, got {budget}, {top_k}")
+    if len(lookup_conf) < len(lookups):
+        raise ValueError("one lookup confidence per lookup continuation is needed")
+    d_draft = 0 if q is None else q.shape[0]
+    deepest = max([d_draft] + [len(c) for c in lookups])
+    if max_depth is not None:
+        deepest = min(deepest, max_depth)
+    # the top-k+len(lookups) tokens of each depth: enough to skip the lookup tokens and still have k left
+    k_need = min(top_k + len(lookups), 0 if q is None else q.shape[1])
+    top_p: list[list[float]] = []
+    top_t: list[list[int]] = []
+    if q is not None and k_need > 0:
+        vals, idx = q[:deepest].float().topk(k_need, dim=-1)
+        top_p, top_t = vals.tolist(), idx.tolist()
+        support = (q[:deepest] > 0).sum(-1).tolist()  # a slot can only be filled while q has tokens left
+
+    nodes = [_Node(-1, 0, root, False, 1.0, frozenset(range(len(lookups))))]
+    heap: list[tuple[float, int, _Node]] = []
+    counter = 0
+
+    def push_children(i: int) -> None:
+        nonlocal counter
+        node = nodes[i]
+        d = node.depth + 1
+        if d > deepest:
+            return
+        lk: dict[int, tuple[float, set[int]]] = {}  # lookup token -> (confidence, branches)
+        for r in sorted(node.lookup):
+            if d <= len(lookups[r]):
+                tok = int(lookups[r][d - 1])
+                conf, br = lk.get(tok, (0.0, set()))
+                lk[tok] = (max(conf, float(lookup_conf[r])), br | {r})
+        qd = q[d - 1] if (q is not None and d <= d_draft) else None
+        for tok, (conf, br) in lk.items():
+            if qd is not None:
+                conf = max(conf, float(qd[tok]))
+            child = _Node(i, d, tok, True, node.score * conf, frozenset(br))
+            heapq.heappush(heap, (-child.score, counter, child))
+            counter += 1
+        if qd is None or top_k == 0 or not top_p:
+            return
+        if sample:
+            # slot r stands for the r-th draw without replacement from q minus the lookup tokens; its score uses
+            # the r-th largest remaining probability (a shape heuristic: it never looks at what is drawn)
+            rest = [p for p, t in zip(top_p[d - 1], top_t[d - 1]) if t not in lk]
+            n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if float(qd[t]) > 0))
+            for r in range(min(n_slots, len(rest))):
+                child = _Node(i, d, None, False, node.score * rest[r], frozenset())
+                heapq.heappush(heap, (-child.score, counter, child))
+                counter += 1
+        else:
+            kept = 0
+            for p, t in zip(top_p[d - 1], top_t[d - 1]):
+                if kept == top_k:
+                    break
+                if t in lk:  # merged with the lookup child above
+                    continue
+                kept += 1
+                child = _Node(i, d, t, False, node.score * p, frozenset())
+                heapq.heappush(heap, (-child.score, counter, child))
+                counter += 1
+
+    push_children(0)
+    while heap and len(nodes) <= budget:
+        _, _, node = heapq.heappop(heap)
+        nodes.append(node)
+        push_children(len(nodes) - 1)
+    # pop order has non-increasing scores and parents first, so any prefix is a valid tree
+    keep = len(nodes) - 1 if choose is None else max(0, min(len(nodes) - 1, choose([n.score for n in nodes[1:]])))
+    nodes = nodes[: keep + 1]
+    return _finish(nodes, q, sample, generator)
+
+
+def _finish(nodes: list[_Node], q: torch.Tensor | None, sample: bool, generator) -> Tree:
+    """Renumber breadth-first (point-mass siblings first, then the rest in pop order), draw the sampled slots."""
+    kids: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes[1:], start=1):
+        kids[node.parent].append(i)
+    order, new_parent = [0], [-1]
+    head = 0
+    while head < len(order):
+        old = order[head]
+        for c in sorted(kids[old], key=lambda c: not nodes[c].point_mass):  # stable: pop order otherwise
+            order.append(c)
+            new_parent.append(head)
+        head += 1
+    tokens = [nodes[i].token for i in order]
+    if sample:
+        _draw_slots(tokens, [nodes[i] for i in order], new_parent, q, generator)
+    dev = q.device if q is not None else "cpu"
+    return Tree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+        parents=torch.tensor(new_parent, dtype=torch.long, device=dev),
+        depth=torch.tensor([nodes[i].depth for i in order], dtype=torch.long, device=dev),
+        point_mass=torch.tensor([nodes[i].point_mass for i in order], dtype=torch.bool, device=dev),
+        score=torch.tensor([nodes[i].score for i in order], dtype=torch.float32, device=dev),
+        q=q if sample else None,
+    )
+
+
+def _draw_slots(tokens: list, nodes: list[_Node], parents: list[int], q: torch.Tensor, generator) -> None:
+    """Fill the sampled slots in place: the slots under one parent are one ordered draw without replacement from
+    q[depth - 1] with the parent's point-mass children *in the final tree* removed (torch.multinomial without
+    replacement returns the draws in order: the first from q, the next from q without the first, ...)."""
+    groups: dict[int, list[int]] = {}
+    fixed: dict[int, list[int]] = {}
+    for i in range(1, len(nodes)):
+        if tokens[i] is None:
+            groups.setdefault(parents[i], []).append(i)
+        else:
+            fixed.setdefault(parents[i], []).append(tokens[i])
+    for parent, slots in groups.items():
+        w = q[nodes[slots[0]].depth - 1].float().clone()
+        if parent in fixed:
+            w[fixed[parent]] = 0.0
+        drawn = torch.multinomial(w, len(slots), replacement=False, generator=generator).tolist()
+        for i, t in zip(slots, drawn):
+            tokens[i] = t

@@ -1,0 +1,90 @@
+"""Verification of a candidate tree (see tree.py) against the target: pure functions, no model state.
+
+The target has seen every node of the tree in one forward (tree attention), so row i of its logits/probs is the
+target's distribution of the token that follows node i's path. Vocabulary, as in verify.py:
+- **accepted path**: root = node 0, then at each accepted node the child that passes (greedy: the child whose token is
+  the target's argmax; sampling: the first child that passes recursive rejection sampling among its siblings);
+- **recovered**: when every child of the last accepted node is rejected, the token drawn from what is left of the
+  target's distribution after the rejections (greedy: the argmax, which no child had);
+- **bonus**: when the last accepted node is a leaf, one token drawn from (greedy: the argmax of) its row;
+- a step commits a + 1 tokens: the a accepted nodes below the root and one recovered/bonus token.
+
+Sampling is multi-candidate speculative sampling by recursive rejection (SpecInfer, Miao et al. 2024; without
+replacement as in Jeon et al. 2024): at an accepted node with target distribution p, the children are tried in index
+order. Child c with token x, proposed from r (a point mass at x for a lookup token; for a sampled child, the draft's q
+at its depth with the tokens of its earlier siblings removed and renormalised, which is how tree.py draws it), is
+accepted with probability min(1, p(x) / r(x)); after a rejection p becomes norm(max(0, p - r)) for the next sibling.
+Each stage is one speculative-sampling step, which returns a draw from the p it started with whatever proposal r it
+used, so the accepted-or-recovered token is distributed exactly as the target's p, node after node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import Tree
+
+
+def _check(tree: Tree, rows: torch.Tensor) -> None:
+    n = tree.num_nodes
+    assert rows.dim() == 2 and rows.shape[0] == n, (
+        f"target logits/probs must be [N, V] with N = {n} tree nodes, got {tuple(rows.shape)}")
+
+
+def greedy_verify_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """tree with N nodes; target_logits [N, V] (row i after node i's path).
+    Returns (path, committed): path = accepted node indices from the root (len a + 1), committed = the a accepted
+    tokens followed by the bonus/recovered token (len a + 1)."""
+    _check(tree, target_logits)
+    best = target_logits.argmax(-1).tolist()  # [N]
+    tokens = tree.tokens.tolist()
+    kids = tree.children()
+    path = [0]
+    while True:
+        want = best[path[-1]]
+        nxt = next((c for c in kids[path[-1]] if tokens[c] == want), None)
+        if nxt is None:
+            return path, [tokens[i] for i in path[1:]] + [want]
+        path.append(nxt)
+
+
+def rejection_verify_tree(tree: Tree, target_probs: torch.Tensor,
+                          generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """tree with N nodes (tree.q set for sampled children); target_probs [N, V] processed target distributions.
+    Returns (path, committed) as greedy_verify_tree does; committed is distributed exactly as the target's."""
+    _check(tree, target_probs)
+    tokens, depth, pm = tree.tokens.tolist(), tree.depth.tolist(), tree.point_mass.tolist()
+    kids = tree.children()
+    path = [0]
+    while True:
+        node = path[-1]
+        p = target_probs[node].float()
+        accepted = None
+        tried: list[int] = []
+        for c in kids[node]:
+            x = tokens[c]
+            if pm[c]:
+                r = None  # a point mass at x
+                r_x = 1.0
+            else:
+                assert tree.q is not None, "a sampled node needs the draft distributions tree.q"
+                r = tree.q[depth[c] - 1].float().clone()
+                if tried:
+                    r[tried] = 0.0
+                r = r / r.sum().clamp_min(1e-30)
+                r_x = float(r[x])
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * r_x < float(p[x]):  # u < p/r without dividing by a possibly tiny r
+                accepted = c
+                break
+            residual = p.clone() if r is None else (p - r).clamp_min(0.0)
+            if r is None:
+                residual[x] = 0.0
+            mass = residual.sum()
+            # mass == 0 only when p == r, where a rejection has probability 0; keep p as a safe fallback
+            p = residual / mass if float(mass) > 0 else p
+            tried.append(x)
+        if accepted is None:
+            last = int(torch.multinomial(p, 1, generator=generator))
+            return path, [tokens[i] for i in path[1:]] + [last]
+        path.append(accepted)

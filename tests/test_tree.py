@@ -1,0 +1,262 @@
+"""Candidate trees (tree.py), their verifiers (verify_tree.py), the verify-cost calibration and the budget choice:
+pure functions on hand-built inputs, a brute-force reference for best-first expansion, and a distribution-level
+losslessness test of multi-candidate rejection sampling."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from blockdraft.calibrate import VerifyCost, load_or_measure, measure_verify_cost
+from blockdraft.proposers.lookup import find_continuations
+from blockdraft.proposers.tree import TreeProposer
+from blockdraft.target import TargetModel
+from blockdraft.tree import MalformedTree, Tree, ancestor_mask, build_tree, check_tree
+from blockdraft.verify_tree import greedy_verify_tree, rejection_verify_tree
+from conftest import tiny_llama
+
+V = 7
+HI, LO = 100.0, -100.0  # one-hot logits: the target is certain
+ROOT = 6
+
+
+def _q(seed: int, depth: int, v: int = V) -> torch.Tensor:
+    """[depth, v] draft distributions with distinct probabilities (no ties in the rankings)."""
+    return torch.softmax(torch.randn(depth, v, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+
+
+def _paths(tree: Tree) -> set[tuple[int, ...]]:
+    return {tuple(tree.path_tokens(i)) for i in range(1, tree.num_nodes)}
+
+
+def _tree(tokens, parents, point_mass=None, q=None) -> Tree:
+    parents = torch.tensor(parents)
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depth[i] = depth[int(parents[i])] + 1 if 0 <= parents[i] < len(tokens) else 1
+    n = len(tokens)
+    return Tree(torch.tensor(tokens), parents, torch.tensor(depth),
+                torch.tensor(point_mass or [False] * n), torch.ones(n), q)
+
+
+# ------------------------------------------------------------------------------------------------ building
+@pytest.mark.parametrize("budget,top_k", [(1, 1), (5, 2), (12, 3), (40, 3)])
+def test_best_first_keeps_the_highest_scoring_paths(budget, top_k):
+    """Against brute force: enumerate every path through the top-k tokens of each depth, score = product of q,
+    keep the `budget` best. Best-first expansion must pick the same set (q has no ties)."""
+    q = _q(0, 3)
+    tree = build_tree(ROOT, q, budget=budget, top_k=top_k)
+    check_tree(tree, V)
+    top = q.topk(top_k, -1).indices.tolist()
+    scored = {}
+    for d in range(1, 4):
+        for path in itertools.product(*top[:d]):
+            scored[path] = float(torch.prod(torch.stack([q[i, t] for i, t in enumerate(path)])))
+    want = set(sorted(scored, key=scored.get, reverse=True)[:budget])
+    assert _paths(tree) == want
+    assert tree.num_nodes == 1 + min(budget, len(scored))
+    kids = tree.children()
+    assert all(len(k) <= top_k for k in kids)
+    for i in range(1, tree.num_nodes):  # scores are products along the path
+        assert tree.score[i].item() == pytest.approx(scored[tuple(tree.path_tokens(i))], rel=1e-5)
+
+
+def test_tree_is_breadth_first_and_choose_cuts_the_worst_nodes():
+    q = _q(1, 4)
+    full = build_tree(ROOT, q, budget=20, top_k=3)
+    assert full.depth.tolist() == sorted(full.depth.tolist())  # breadth-first numbering
+    seen = []
+    cut = build_tree(ROOT, q, budget=20, top_k=3, choose=lambda s: seen.append(s) or 6)
+    assert seen[0] == sorted(seen[0], reverse=True) and len(seen[0]) == 20  # offered best-first
+    assert cut.num_nodes == 7
+    best6 = sorted(range(1, 21), key=lambda i: -full.score[i].item())[:6]
+    assert _paths(cut) == {tuple(full.path_tokens(i)) for i in best6}
+
+
+def test_lookup_branch_merges_with_the_draft_where_prefixes_coincide():
+    q = _q(2, 3)
+    top1 = q.argmax(-1).tolist()
+    other = next(t for t in range(V) if t not in q[2].topk(2).indices.tolist())
+    lookup = [top1[0], top1[1], other, 5, 1]  # agrees with the draft's best path for two tokens, then leaves it
+    tree = build_tree(ROOT, q, budget=30, top_k=2, lookups=[lookup], lookup_conf=[0.9])
+    check_tree(tree, V)
+    paths = _paths(tree)
+    for d in range(1, len(lookup) + 1):
+        assert tuple(lookup[:d]) in paths  # the whole continuation, beyond the draft's depth 3 too
+    # one node per distinct prefix: the lookup tokens the draft also proposed did not create twins
+    assert len(paths) == tree.num_nodes - 1
+    node = next(i for i in range(tree.num_nodes) if tree.path_tokens(i) == lookup[:1])
+    # a merged node scores the higher of the draft's probability and the lookup confidence
+    assert tree.score[node].item() == pytest.approx(max(0.9, q[0, lookup[0]].item()), rel=1e-5)
+    assert tree.point_mass[node] and not tree.point_mass[tree.children()[node][-1]]
+
+
+def test_lookup_only_tree_is_a_chain_per_branch():
+    tree = build_tree(ROOT, None, budget=10, top_k=4, lookups=[[1, 2, 3], [1, 4]], lookup_conf=[0.6, 0.5])
+    assert _paths(tree) == {(1,), (1, 2), (1, 2, 3), (1, 4)}
+
+
+def test_sampled_tree_shape_does_not_depend_on_the_draws():
+    """The shape (who has how many children, which are lookup tokens) is fixed before any token is drawn."""
+    q = _q(3, 3)
+    trees = [build_tree(ROOT, q, budget=9, top_k=3, lookups=[[2, 2, 2]], lookup_conf=[0.5], sample=True,
+                        generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    for t in trees:
+        check_tree(t, V)
+        assert t.parents.tolist() == trees[0].parents.tolist()
+        assert t.point_mass.tolist() == trees[0].point_mass.tolist()
+    assert len({tuple(t.tokens.tolist()) for t in trees}) > 1, "different seeds draw different tokens"
+
+
+def test_sampled_slots_never_exceed_the_support_of_q():
+    q = torch.zeros(2, V)
+    q[:, 1], q[:, 4] = 0.7, 0.3  # two tokens possible per depth
+    tree = build_tree(ROOT, q, budget=20, top_k=5, lookups=[[4]], lookup_conf=[0.9], sample=True,
+                      generator=torch.Generator().manual_seed(0))
+    check_tree(tree, V)
+    kids = tree.children()
+    assert [tree.tokens[c].item() for c in kids[0]] == [4, 1]  # the lookup token, then the only token left
+
+
+# ------------------------------------------------------------------------------------------- malformed trees
+@pytest.mark.parametrize("tree,match", [
+    (_tree([ROOT, 1, 2], [-1, 2, 0]), "earlier node"),
+    (_tree([ROOT, 1, 1], [-1, 0, 0]), "siblings must differ"),
+    (_tree([ROOT, 1, 9], [-1, 0, 0]), "outside the vocabulary"),
+    (_tree([ROOT, 1, 2], [0, 0, 0]), "root"),
+    (Tree(torch.tensor([ROOT, 1]), torch.tensor([-1, 0]), torch.tensor([0, 2]), torch.zeros(2, dtype=torch.bool),
+          torch.ones(2)), "depth"),
+    (Tree(torch.tensor([ROOT, 1]), torch.tensor([-1, 0, 0]), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.bool),
+          torch.ones(2)), "shape"),
+    (_tree([ROOT, 1, 2], [-1, 0, 0], [False, False, True], _q(0, 1)), "point-mass children must precede"),
+    (_tree([ROOT, 1, 2], [-1, 0, 1], q=_q(0, 1)), r"q must be \[D >= 2"),
+])
+def test_malformed_trees_are_rejected_with_a_reason(tree, match):
+    with pytest.raises(MalformedTree, match=match):
+        check_tree(tree, V)
+
+
+def test_ancestor_mask_matches_a_naive_walk():
+    tree = build_tree(ROOT, _q(4, 4), budget=15, top_k=3)
+    par = tree.parents.tolist()
+    want = torch.zeros(tree.num_nodes, tree.num_nodes, dtype=torch.bool)
+    for i in range(tree.num_nodes):
+        j = i
+        while j >= 0:
+            want[i, j] = True
+            j = par[j]
+    assert torch.equal(ancestor_mask(tree.parents), want)
+
+
+# ------------------------------------------------------------------------------------------------ greedy verify
+def _one_hot(argmax: list[int]) -> torch.Tensor:
+    x = torch.full((len(argmax), V), LO)
+    x[torch.arange(len(argmax)), torch.tensor(argmax)] = HI
+    return x
+
+
+#               root  a=1  b=2  c=3 (child of a)  d=4 (child of a)  e=5 (child of d)
+SMALL = _tree([ROOT, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 4])
+
+
+def test_greedy_tree_follows_the_target_through_a_second_child():
+    path, committed = greedy_verify_tree(SMALL, _one_hot([1, 4, 0, 0, 5, 3]))
+    assert path == [0, 1, 4, 5] and committed == [1, 4, 5, 3]  # 3 accepted, bonus 3 at the leaf
+
+
+def test_greedy_tree_recovers_when_no_child_matches():
+    path, committed = greedy_verify_tree(SMALL, _one_hot([1, 6, 0, 0, 0, 0]))
+    assert path == [0, 1] and committed == [1, 6]
+    path, committed = greedy_verify_tree(SMALL, _one_hot([0, 0, 0, 0, 0, 0]))
+    assert path == [0] and committed == [0]
+
+
+def test_verifiers_check_shapes():
+    with pytest.raises(AssertionError):
+        greedy_verify_tree(SMALL, _one_hot([1, 2, 3]))
+
+
+def test_rejection_tree_with_a_certain_target_behaves_like_greedy():
+    g = torch.Generator().manual_seed(0)
+    tree = _tree([ROOT, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 4], q=torch.full((3, V), 1.0 / V))
+    for _ in range(20):
+        path, committed = rejection_verify_tree(tree, _one_hot([2, 4, 0, 0, 5, 3]).softmax(-1), g)
+        assert path == [0, 2] and committed == [2, 0]
+
+
+def _bigram(seed: int, v: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(v, v, generator=g) * 1.5, dim=-1)  # P[prev, next]
+
+
+def test_tree_rejection_sampling_is_lossless_over_two_tokens():
+    """Decode against a bigram target with sampled trees (top-k slots drawn without replacement from a mismatched
+    q, plus a point-mass lookup branch) until two tokens are committed, and compare their joint distribution with
+    the target's by a chi-square test on 16 cells (df = 15).
+
+    Threshold 42.6 is the 0.9999 quantile of chi2(15): with a random seed the false-failure rate would be 1e-4; the
+    seeds are fixed, so the test is deterministic. 6000 samples put ~60 or more in the rarest cell, enough for the
+    chi-square approximation and to catch a sibling rule that skips the without-replacement renormalisation."""
+    v, n = 4, 6000
+    target = _bigram(1, v)
+    q = torch.softmax(torch.randn(3, v, generator=torch.Generator().manual_seed(2)), -1)
+    gen = torch.Generator().manual_seed(3)
+    start = 0
+    counts = torch.zeros(v, v)
+    for i in range(n):
+        out: list[int] = []
+        prev = start
+        while len(out) < 2:
+            tree = build_tree(prev, q, budget=6, top_k=2, lookups=[[i % v, (i // v) % v]], lookup_conf=[0.4],
+                              sample=True, generator=gen)
+            p = target[tree.tokens]  # row i: the target's distribution after node i (a bigram looks one back)
+            _, committed = rejection_verify_tree(tree, p, gen)
+            out += committed
+            prev = out[-1]
+        counts[out[0], out[1]] += 1
+    expected = n * target[start].unsqueeze(1) * target
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 42.6, chi2
+
+
+# ------------------------------------------------------------------------------------------------ lookup
+def test_find_continuations_returns_distinct_branches_most_recent_first():
+    toks = torch.tensor([5, 1, 2, 9, 5, 1, 3, 4, 7, 5, 1])
+    assert find_continuations(toks, 3, max_ngram=2, max_branches=3) == [[3, 4, 7], [2, 9, 5]]
+    assert find_continuations(toks, 3, max_ngram=2, max_branches=1) == [[3, 4, 7]]
+    assert find_continuations(torch.tensor([1, 2, 3]), 4) == []
+
+
+# ------------------------------------------------------------------------------------ calibration, budget choice
+def test_budget_choice_maximises_expected_tokens_per_second():
+    flat = VerifyCost([1.0] * 64)  # verifying more costs nothing: keep every node with a positive score
+    prop = TreeProposer(None, lookup=True, verify_cost=flat)
+    assert prop.choose_budget([0.5, 0.2, 0.01]) == 3
+    linear = VerifyCost([float(w) for w in range(1, 65)])  # cost grows with width like plain decoding
+    prop.verify_cost = linear
+    # b nodes: (1 + sum s) / (b + 1) < 1 for scores < 1, so verifying nothing is best
+    assert prop.choose_budget([0.9, 0.8]) == 0
+    step = VerifyCost([1.0] * 8 + [2.0] * 56)  # a jump after 8 tokens: 7 nodes fit under it
+    prop.verify_cost = step
+    weak_tail = [0.3] * 7 + [0.05] * 13
+    assert prop.choose_budget(weak_tail) == 7  # 3.1 tokens per unit of time, against 3.75 / 2 with all 20
+    assert prop.choose_budget([0.3] * 20) == 20  # 7 tokens in 2 units beat 3.1 in 1
+    prop._draft_s = 100.0  # a slow draft makes the verify cost negligible: verify all it drafted
+    assert prop.choose_budget(weak_tail) == 20
+    assert step(100) > step(64) and linear(1) == 1.0
+
+
+def test_verify_cost_is_measured_and_cached(tmp_path, one_thread):
+    target = TargetModel(tiny_llama(layers=2))
+    cost = measure_verify_cost(target, max_width=5, context=7, reps=1)
+    assert cost.max_width == 5 and all(s > 0 for s in cost.seconds) and cost.context == 7
+    path = tmp_path / "cal.json"
+    first = load_or_measure(target, path=path, max_width=4, context=6, reps=1)
+    assert json.loads(path.read_text())["seconds"] == first.seconds
+    again = load_or_measure(target, path=path, max_width=9)  # read back: the new arguments are not used
+    assert again.seconds == first.seconds and again.max_width == 4
+    path.write_text("{not json")
+    assert load_or_measure(target, path=path, max_width=3, context=5, reps=1).max_width == 3  # corrupt: remeasured
+    with pytest.raises(ValueError):
+        VerifyCost([0.1, 0.0])

@@ -1,0 +1,209 @@
+"""Tree verification in the engine (issue #13): the target's tree forward against chain forwards of each path (lean
+and HF paths), cache compaction against a naive rebuild, and greedy token-exactness (fp32) with oracle, useless and
+random drafts, with and without a prompt-lookup branch."""
+
+import pytest
+import torch
+
+from blockdraft.cache import KVCache
+from blockdraft.config import GenerationConfig, SamplingParams
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.proposers.dflash import DFlashProposer
+from blockdraft.proposers.tree import TreeProposer
+from blockdraft.target import TargetCache, TargetModel
+from blockdraft.tree import MalformedTree, Tree, ancestor_mask, build_tree
+from conftest import VOCAB, ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen3
+
+N_NEW = 40
+TOL = dict(rtol=1e-4, atol=1e-4)  # fp32; a tree forward sums attention over a masked, longer key range
+# features of these random targets reach ~200 (initializer_range 0.5), and the reference runs through the HF modules
+# (cache None), whose unfused matmuls sum in another order: an absolute error of ~1e-6 of that scale
+FEAT_TOL = dict(rtol=1e-4, atol=2e-3)
+
+
+def _prompt(seed=0, n=11):
+    return torch.randint(0, 90, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _targets(kind: str) -> tuple[TargetModel, TargetModel]:
+    """The same weights behind the lean path and the HF path, tapping three layers."""
+    hf = tiny_llama() if kind == "llama" else tiny_qwen3()
+    return (TargetModel(hf, ToyTokenizer(), layer_ids=(0, 1, 3)),
+            TargetModel(hf, ToyTokenizer(), layer_ids=(0, 1, 3), lean=False))
+
+
+def _random_tree(seed: int, root: int, budget: int = 14) -> Tree:
+    q = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3, -1)
+    return build_tree(root, q, budget=budget, top_k=3, lookups=[[5, 6, 7, 8, 9]], lookup_conf=[0.5])
+
+
+def _tree_forward(target: TargetModel, cache, tree: Tree, start: int):
+    pos = (tree.depth + start).unsqueeze(0)
+    return target.forward(tree.tokens.unsqueeze(0), cache, positions=pos, tree_mask=ancestor_mask(tree.parents))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tree_forward_equals_a_chain_forward_of_every_path(kind, one_thread):
+    ctx = _prompt(1, 9)
+    for target in _targets(kind):
+        tree = _random_tree(2, int(ctx[-1]))
+        cache = target.new_decode_cache(64)
+        target.forward(ctx[:-1].unsqueeze(0), cache)
+        out = _tree_forward(target, cache, tree, ctx.numel() - 1)
+        kids = tree.children()
+        for leaf in (i for i in range(tree.num_nodes) if not kids[i]):
+            nodes = [leaf]
+            while nodes[-1] > 0:
+                nodes.append(int(tree.parents[nodes[-1]]))
+            nodes = nodes[::-1]  # root .. leaf
+            ref = target.forward(torch.cat([ctx, tree.tokens[nodes[1:]]]).unsqueeze(0), None)
+            k = ctx.numel() - 1
+            torch.testing.assert_close(out.logits[0, nodes], ref.logits[0, k:], **TOL)
+            torch.testing.assert_close(out.features[0, nodes], ref.features[0, k:], **FEAT_TOL)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_compaction_equals_a_naive_rebuild(kind, one_thread):
+    """After a tree verify the cache keeps only the accepted path. Decoding on from it must match a cache rebuilt
+    from scratch over context + path, for the lean KVCache and the HF cache alike; so must the kept K/V."""
+    ctx = _prompt(3, 10)
+    for target in _targets(kind):
+        tree = _random_tree(4, int(ctx[-1]))
+        kids = tree.children()
+        path = [0]
+        while kids[path[-1]]:
+            path.append(kids[path[-1]][-1])  # the last child at each level: nodes far apart in the tree's order
+        cache = target.new_decode_cache(64)
+        target.forward(ctx[:-1].unsqueeze(0), cache)
+        _tree_forward(target, cache, tree, ctx.numel() - 1)
+        cache.compact(ctx.numel() - 1, torch.tensor(path))
+        assert cache.length == ctx.numel() + len(path) - 1
+        nxt = torch.tensor([[17, 4]])
+        got = target.forward(nxt, cache)
+        fresh = target.new_decode_cache(64)
+        target.forward(torch.cat([ctx, tree.tokens[path[1:]]]).unsqueeze(0), fresh)
+        want = target.forward(nxt, fresh)
+        torch.testing.assert_close(got.logits, want.logits, **TOL)
+        assert cache.length == fresh.length
+        if isinstance(cache, KVCache):
+            torch.testing.assert_close(cache.k[:, :, :, : cache.length], fresh.k[:, :, :, : fresh.length], **TOL)
+        else:
+            assert isinstance(cache, TargetCache)
+            for a, b in zip(cache.hf.layers, fresh.hf.layers):
+                torch.testing.assert_close(a.values, b.values, **TOL)
+
+
+def test_kv_cache_compact_moves_the_kept_positions():
+    c = KVCache(2, 1, 1, 3, capacity=4, dtype=torch.float32)
+    vals = torch.arange(8.0).view(1, 1, 1, 8, 1).expand(2, 1, 1, 8, 3)
+    c.append(vals, vals)  # grows past its capacity of 4
+    c.compact(3, torch.tensor([0, 2, 4]))
+    assert c.length == 6 and c.k[0, 0, 0, :6, 0].tolist() == [0, 1, 2, 3, 5, 7]
+    with pytest.raises(ValueError, match="cannot keep"):
+        c.compact(3, torch.tensor([0, 5]))
+    with pytest.raises(AssertionError):
+        c.compact(1, torch.tensor([2, 1]))
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+class FakeDraft:
+    """Stands in for DFlashProposer in a TreeProposer: `distributions` returns whatever `rows(n, g)` says."""
+
+    layer_ids = ()
+
+    def __init__(self, rows, block_size: int = 6) -> None:
+        self.rows, self.block_size = rows, block_size
+
+    def start(self, prompt_ids, features):
+        pass
+
+    def accept(self, features, num_committed):
+        pass
+
+    def distributions(self, tokens, num_draft, sampling):
+        return self.rows(tokens.numel(), min(num_draft, self.block_size - 1))
+
+
+def _second_best_oracle(prompt_len: int, truth: list[int]):
+    """Each row ranks the true token second (the top-1 chain would fail at once; a tree with top_k >= 2 follows)."""
+    def rows(n, g):
+        q = torch.full((g, VOCAB), 0.01)
+        for j in range(g):
+            t = truth[n - prompt_len + j] if n - prompt_len + j < len(truth) else 0
+            q[j, t] = 0.3
+            q[j, (t + 1) % VOCAB] = 0.6
+        return q / q.sum(-1, keepdim=True)
+    return rows
+
+
+def _random_rows(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return lambda n, g: torch.softmax(torch.randn(g, VOCAB, generator=gen) * 2, -1)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_tree_with_an_oracle_is_token_exact_and_accepts_its_whole_depth(target, lookup):
+    prompt = _prompt(5)
+    ref = naive_greedy(target, prompt, N_NEW)
+    # depth 3, two draft children per node: the full binary tree has 14 nodes; the two lookup branches give their
+    # nodes a third child, at most 4 + 10 + 22 = 36 nodes
+    budget = 36 if lookup else 14
+    draft = FakeDraft(_second_best_oracle(prompt.numel() + 1, ref[1:]), block_size=4)
+    prop = TreeProposer(draft, lookup=lookup, budget=budget, top_k=2, lookup_depth=3)
+    res = SpeculativeEngine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    assert res.token_ids == ref
+    steps = res.stats.accept_lengths
+    assert all(a == 4 for a in steps[:-1]), steps  # depth 3 + the bonus, every step
+    assert res.stats.target_forwards == 1 + len(steps) and len(res.stats.tree_nodes) == len(steps)
+    assert res.stats.tree["budget"] == budget and res.stats.to_dict()["tree_nodes"] == res.stats.tree_nodes
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("draft", ["useless", "random"])
+def test_tree_is_token_exact_with_poor_drafts(target, draft, lookup):
+    prompt = _prompt(6)
+    ref = naive_greedy(target, prompt, N_NEW)
+    if draft == "useless":  # an untrained DFlash draft on the target's features
+        d = DFlashProposer(tiny_draft(target, block_size=8), target)
+    else:
+        d = FakeDraft(_random_rows(7))
+    prop = TreeProposer(d, lookup=lookup, budget=10, top_k=3)
+    res = SpeculativeEngine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    assert res.token_ids == ref
+    assert len(res.stats.accept_lengths) >= 5 and sum(res.stats.accept_lengths) + 1 == N_NEW
+
+
+def test_tree_on_the_hf_path_and_with_a_chosen_budget_is_token_exact(one_thread):
+    _, hf_target = _targets("qwen3")
+    prompt = _prompt(8)
+    ref = naive_greedy(hf_target, prompt, N_NEW)
+    d = DFlashProposer(tiny_draft(hf_target, block_size=8), hf_target)
+    cost = lambda w: 1.0 + 0.02 * w  # noqa: E731 - a flat-ish synthetic verify cost: wide trees are cheap
+    prop = TreeProposer(d, lookup=True, verify_cost=cost, max_budget=20)
+    res = SpeculativeEngine(hf_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                               ignore_eos=True))
+    assert res.token_ids == ref
+    assert max(res.stats.tree_nodes) <= 20 and res.stats.tree["budget"] == "auto"
+
+
+def test_tree_sampling_is_reproducible_with_a_seed(llama_target):
+    prop = TreeProposer(DFlashProposer(tiny_draft(llama_target), llama_target), lookup=True, budget=12, top_k=3)
+    eng = SpeculativeEngine(llama_target, prop)
+    s = SamplingParams(temperature=0.9, top_k=30, seed=11)
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    a, b = eng.generate(_prompt(9), cfg, s), eng.generate(_prompt(9), cfg, s)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+
+
+def test_engine_rejects_a_malformed_tree(llama_target):
+    class Bad(TreeProposer):
+        def propose_tree(self, tokens, max_depth, sampling, generator):
+            tree = super().propose_tree(tokens, max_depth, sampling, generator)
+            tree.parents[-1] = tree.num_nodes - 1  # a node that is its own parent
+            return tree
+
+    prop = Bad(FakeDraft(_random_rows(0)), budget=5, top_k=2)
+    with pytest.raises(MalformedTree, match="earlier node"):
+        SpeculativeEngine(llama_target, prop).generate(_prompt(), GenerationConfig(max_new_tokens=8))
+    with pytest.raises(ValueError, match="budget"):
+        TreeProposer(FakeDraft(_random_rows(0)))
