@@ -6,6 +6,8 @@ greedy decoding repeats one token forever, which makes poor test material (ties,
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -16,33 +18,46 @@ VOCAB = 99
 MASK_ID = 98
 
 
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run a block on torch's global RNG seeded with `seed`, then restore the global state. HF modules draw their
+    initial weights from the global RNG (no generator argument), so a tiny model is built inside this block: its
+    weights depend on `seed` alone, and building it does not shift the random stream seen by whatever runs next."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def tiny_llama(seed: int = 0, layers: int = 5, dtype=torch.float32, init: float = 0.5):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=37, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       initializer_range=init, rope_theta=10000.0, eos_token_id=VOCAB - 2, bos_token_id=0, pad_token_id=0,
                       tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
+    with seeded(seed):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def tiny_qwen3(seed: int = 0, layers: int = 4, dtype=torch.float32):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=40, intermediate_size=37, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256,
                       initializer_range=0.5, eos_token_id=VOCAB - 2, tie_word_embeddings=True)
-    return Qwen3ForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
+    with seeded(seed):
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def tiny_draft(target: TargetModel, layers: int = 2, block_size: int = 8, seed: int = 1,
                dtype=torch.float32) -> DFlashDraftModel:
-    torch.manual_seed(seed)
     cfg = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block_size,
                                    mask_token_id=MASK_ID, num_target_features=3)
-    return DFlashDraftModel(cfg).to(dtype).eval()
+    with seeded(seed):
+        draft = DFlashDraftModel(cfg)
+    return draft.to(dtype).eval()
 
 
 class ToyTokenizer:
@@ -75,6 +90,19 @@ def naive_greedy(target: TargetModel, prompt: torch.Tensor, n: int) -> list[int]
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([nxt])])
     return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_process_state():
+    """Undo what a test (or library code it calls: trainers seed the global RNG, data regeneration sets the thread
+    count) did to process-wide torch state, so that no test's outcome depends on which tests ran before it: fp32
+    results differ at ~1e-5 relative between thread counts, and a leaked `set_num_threads(1)` once made a tolerance
+    pass or fail depending on the order."""
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from blockdraft.loading import materialize, resolve_target
+from conftest import seeded
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +16,13 @@ def tiny_dir(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=24, intermediate_size=37, num_hidden_layers=4,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
                       eos_token_id=tok.eos_token_id, bos_token_id=1, tie_word_embeddings=True)
     out = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    with seeded(0):
+        model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

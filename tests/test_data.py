@@ -172,11 +172,13 @@ def tiny():
         tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
     except FileNotFoundError as e:
         pytest.skip(f"default target unavailable: {e}")
-    torch.manual_seed(0)
+    from conftest import seeded
+
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with seeded(0):
+        model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     return model, tok
 
 

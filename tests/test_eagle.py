@@ -16,7 +16,7 @@ from blockdraft.target import TargetModel
 from blockdraft.train.blocks import IGNORE
 from blockdraft.train.eagle import ttt_forward, ttt_labels
 from blockdraft.train.trainer import TrainConfig, train
-from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen3
+from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama, tiny_qwen3
 
 N_NEW = 30
 BIG = 100.0  # one-hot logit for a forced draft token
@@ -24,10 +24,9 @@ BIG = 100.0  # one-hot logit for a forced draft token
 
 def tiny_eagle(target: TargetModel, seed: int = 1, std: float = 0.3) -> EagleDraftModel:
     """Random EAGLE drafter; std 0.3 (not 0.02) so its proposals vary instead of being one near-uniform argmax."""
-    torch.manual_seed(seed)
-    d = EagleDraftModel(EagleConfig.from_target(target.config))
-    d.reset_parameters(std)
-    with torch.no_grad():
+    with seeded(seed), torch.no_grad():
+        d = EagleDraftModel(EagleConfig.from_target(target.config))
+        d.reset_parameters(std)
         for p in d.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))  # norms away from 1, so a skipped norm shows up

@@ -8,7 +8,7 @@ from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposers import Proposal
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama
+from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama
 
 N_NEW = 40
 
@@ -157,7 +157,8 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
 
     cfg = DFlashConfig.from_target(llama_target.config, num_hidden_layers=1, block_size=8, mask_token_id=98,
                                    num_target_features=2, draft_vocab_size=20)
-    draft = DFlashDraftModel(cfg).eval()
+    with seeded(3):
+        draft = DFlashDraftModel(cfg).eval()
     ids = torch.arange(0, 99, 5)[:20]
     draft.set_draft_vocab(ids)
     assert draft.vocab_ids.tolist() == ids.tolist()
@@ -184,11 +185,12 @@ def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
     from conftest import MASK_ID
 
     target = TargetModel(tiny_llama(), ToyTokenizer())
-    torch.manual_seed(5)
     cfg = DFlashConfig.from_target(target.config, num_hidden_layers=1, block_size=5, mask_token_id=MASK_ID,
                                    target_layer_ids=[0, 4, 2, 3])
+    with seeded(5):
+        second = DFlashDraftModel(cfg).eval()
     engines = [SpeculativeEngine(target, DFlashProposer(tiny_draft(target, block_size=6), target)),
-               SpeculativeEngine(target, DFlashProposer(DFlashDraftModel(cfg).eval(), target))]
+               SpeculativeEngine(target, DFlashProposer(second, target))]
     prompt = torch.tensor([4, 9, 33, 2, 71])
     want = naive_greedy(target, prompt, 12)
     for eng in engines + engines:

@@ -12,7 +12,7 @@ from blockdraft.engine import SpeculativeEngine
 from blockdraft.lean import LeanDecoder, Linear, packed_linear_available
 from blockdraft.target import TargetCache, TargetModel
 
-from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen3
+from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama, tiny_qwen3
 
 
 def _pair(kind: str, dtype=torch.float32) -> tuple[TargetModel, TargetModel]:
@@ -100,13 +100,13 @@ def test_supports_reports_what_it_cannot_run():
 def test_qwen2_biases_on_lean_path(one_thread):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, initializer_range=0.5)
-    hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
-    for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
-        for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            p.bias.normal_()
+    with seeded(0):
+        hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+        for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_()
     lean, ref = TargetModel(hf), TargetModel(hf, lean=False)
     assert lean.lean is not None
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -126,7 +126,7 @@ def test_lean_rebuilds_after_dtype_change(one_thread):
 
 def test_kv_cache_write_reserve_and_views():
     c = KVCache(num_layers=2, batch=1, num_kv_heads=3, head_dim=5, capacity=2, dtype=torch.float32)
-    k = torch.randn(1, 3, 4, 5)
+    k = torch.randn(1, 3, 4, 5, generator=torch.Generator().manual_seed(0))
     c.reserve(4)
     assert c.capacity >= 4
     for layer in range(2):

@@ -8,6 +8,7 @@ from blockdraft.draft import DFlashConfig, DFlashDraftModel
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.loading import encode_prompt, load_target, resolve_draft
 from blockdraft.proposers.dflash import DFlashProposer
+from conftest import seeded
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +22,10 @@ def fp32_target():
 
 
 def _drafts(target):
-    torch.manual_seed(0)
     cfg = DFlashConfig.from_target(target.config, num_hidden_layers=2, mask_token_id=16)
-    yield "untrained", DFlashDraftModel(cfg).init_from_target(target).float().eval()
+    with seeded(0):
+        untrained = DFlashDraftModel(cfg).init_from_target(target).float().eval()
+    yield "untrained", untrained
     shipped = resolve_draft(None, "smollm2-135m-instruct")
     if shipped is not None:
         yield "shipped", DFlashDraftModel.from_pretrained(shipped, dtype=torch.float32)
