@@ -7,144 +7,27 @@ queue and to be cancelled."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import torch
+
+from serve_helpers import API_KEY, Server, tiny_model_dir
 
 openai = pytest.importorskip("openai")
 
-API_KEY = "sk-test-123"
 MAX_BATCH, MAX_QUEUE, CAP = 4, 4, 64
 PROMPTS = ["Hi", "Tell me a story about a cat.", "What is 2+2?", "List three colours, please, in order of preference."]
 
 
 # --------------------------------------------------------------------------------------------- fixtures
-def _tiny_model_dir(out: Path) -> tuple[Path, Path]:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
-    from blockdraft.loading import materialize, resolve_target
-    from blockdraft.target import TargetModel
-
-    tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
-    torch.manual_seed(0)
-    # initializer_range 0.5: a random tiny model with HF's 0.02 emits "\n" forever, poor material for stop strings
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=24, intermediate_size=37, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      initializer_range=0.5, eos_token_id=tok.eos_token_id, bos_token_id=1, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    target_dir, draft_dir = out / "tiny-llama", out / "tiny-draft"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
-    dcfg = DFlashConfig.from_target(cfg, num_hidden_layers=1, block_size=4, mask_token_id=16, num_target_features=2)
-    torch.manual_seed(1)
-    DFlashDraftModel(dcfg).init_from_target(TargetModel(model, tok)).save_pretrained(draft_dir)
-    return target_dir, draft_dir
-
-
-class Server:
-    """A `python -m blockdraft.serve.app` process; its output goes to a log file (no pipe to fill up)."""
-
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 120.0) -> None:
-        self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "blockdraft.serve.app", "--host", "127.0.0.1",
-                                      "--port", "0", "--threads", "1", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + timeout
-        self.port = None
-        while time.time() < deadline:
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_path.read_text())
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        if self.port is None:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + log_path.read_text()[-3000:])
-        while time.time() < deadline:
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("server never became healthy:\n" + log_path.read_text()[-3000:])
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key: str = API_KEY, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
-
-    def request(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
-        """-> (status, headers dict (lower-case names), parsed JSON or text)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            h = {"Content-Type": "application/json", **(headers or {})}
-            conn.request(method, path, body=data, headers=h)
-            resp = conn.getresponse()
-            text = resp.read().decode()
-            try:
-                payload = json.loads(text)
-            except json.JSONDecodeError:
-                payload = text
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, payload
-        finally:
-            conn.close()
-
-    def post(self, path: str, body=None, auth: bool = True, **kw):
-        headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
-        return self.request("POST", path, body, headers=headers, **kw)
-
-    def get(self, path: str):
-        return self.request("GET", path, headers={"Authorization": f"Bearer {API_KEY}"})
-
-    def health(self) -> dict:
-        return self.get("/health")[2]
-
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        deadline = time.time() + timeout
-        while True:
-            h = self.health()
-            if h["active"] == 0 and h["queued"] == 0:
-                return h
-            if time.time() > deadline:
-                raise AssertionError(f"server not idle: {h}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
-    target_dir, draft_dir = _tiny_model_dir(out)
+    target_dir, draft_dir = tiny_model_dir(out)
     srv = Server(["--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "fp32", "--api-key", API_KEY,
                   "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-tokens-cap", str(CAP),
                   "--max-body-bytes", "65536", "--debug-step-delay", "0.02"], out / "server.log")
@@ -394,6 +277,64 @@ def test_bounded_load_every_request_is_answered_once(server):
     assert h["status"] == "ok" and h["worker_alive"] and h["errors"] == 0
 
 
+def _scrape(srv) -> dict[tuple, float]:
+    """/metrics parsed by prometheus_client's own text parser: {(sample name, sorted label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, text = srv.request("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_the_requests_sent(server):
+    server.wait_idle()
+    before = _scrape(server)
+    cl, m = server.client(), server.model
+    usages, extras = [], []
+    for prompt in PROMPTS[:3]:
+        r = _chat(server, prompt, max_tokens=12)
+        usages.append(r.usage)
+        extras.append(r.model_extra["blockdraft"])
+    _, _, usage, extra = _stream_text(_chat(server, PROMPTS[3], max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    usages.append(usage)
+    extras.append(extra)
+    for prompt in ("Once upon a time", "1, 2, 3,"):
+        r = cl.completions.create(model=m, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+        extras.append(r.model_extra["blockdraft"])
+    assert server.post("/v1/chat/completions", {"model": m, "messages": "hello"})[0] == 400
+    assert server.post("/v1/completions", {"model": m, "prompt": "x"}, auth=False)[0] == 401
+    server.wait_idle()
+    after = _scrape(server)
+
+    def delta(name: str, **labels) -> float:
+        key = (f"blockdraft:{name}", tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("http_requests_total", endpoint="/v1/chat/completions", status="200") == 4
+    assert delta("http_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert delta("http_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert delta("http_requests_total", endpoint="/v1/completions", status="401") == 1
+    finished = sum(delta("request_success_total", finished_reason=r) for r in ("stop", "length", "cancelled"))
+    assert finished == 6 and delta("request_success_total", finished_reason="error") == 0
+    assert delta("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    # accept_lengths holds a + 1 per verify step (a accepted drafts plus the target's bonus/recovered token)
+    steps = sum(len(e["accept_lengths"]) for e in extras)
+    accepted = sum(sum(e["accept_lengths"]) - len(e["accept_lengths"]) for e in extras)
+    assert delta("spec_decode_num_drafts_total") == steps > 0
+    assert delta("spec_decode_num_accepted_tokens_total") == accepted
+    per_pos = [delta("spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(16)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)  # position i needs 0..i-1 accepted
+    assert delta("spec_decode_num_draft_tokens_total") >= accepted
+    assert delta("time_to_first_token_seconds_count") == 6 == delta("e2e_request_latency_seconds_count")
+    assert delta("time_per_output_token_seconds_count") == sum(u.completion_tokens > 1 for u in usages)
+    assert delta("time_to_first_token_seconds_sum") > 0
+    assert after[("blockdraft:num_requests_running", ())] == 0 == after[("blockdraft:num_requests_waiting", ())]
+
+
 @pytest.mark.slow
 def test_default_target_server(tmp_path):
     """The real SmolLM2 target (and its shipped draft when there is one) behind the server."""
@@ -420,7 +361,7 @@ def test_default_target_server(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the scheduler, in-process
-def test_scheduler_queue_limit_cancellation_and_worker_recovery():
+def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
     from conftest import ToyTokenizer, tiny_llama
 
     from blockdraft.batch import BatchedEngine
@@ -430,7 +371,6 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery():
     from blockdraft.serve.scheduler import QueueFullError, Scheduler
     from blockdraft.target import TargetModel
 
-    torch.set_num_threads(1)
     target = TargetModel(tiny_llama(), ToyTokenizer())
     boom = {"on": False}
 

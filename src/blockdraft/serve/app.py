@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server (Starlette + uvicorn) over the batched speculative engine.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as server-sent events in
-OpenAI's chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health (status and live metrics).
+OpenAI's chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health (status and live metrics), GET /metrics
+(Prometheus, see serve/metrics.py). Request validation (the OpenAI schema, error bodies) lives in serve/schema.py.
 
 Honoured parameters: model (must be the served one), messages / prompt, max_tokens (chat: also
 max_completion_tokens), temperature, top_p, top_k (extension), seed, stop (string or list of up to 4), n=1,
@@ -14,8 +15,8 @@ per target forward, target_forwards, accept_lengths, draft name, timings).
 
 Limits: binds 127.0.0.1 by default; optional API key (401); request body limit (413); prompt longer than the context
 (400, code context_length_exceeded); max_tokens capped to the server's --max-tokens-cap; full queue (429 with
-Retry-After); malformed JSON or wrong types (400). A client that disconnects (streaming or not) has its row
-dropped at the next engine step.
+Retry-After); malformed JSON or wrong types (400); a body not received within --body-timeout seconds (408). A
+client that disconnects (streaming or not) has its row dropped at the next engine step.
 
 Run: `python -m blockdraft.serve.app --target T --draft D ...` (or `blockdraft serve ...` once registered).
 """
@@ -29,271 +30,17 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..config import GenerationConfig, SamplingParams
 from .scheduler import QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
+from .schema import APIError, ParsedRequest, RequestParser
 
 log = logging.getLogger("blockdraft.serve")
-
-MAX_STOP_SEQUENCES = 4
-
-
-# ------------------------------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self):
-        from starlette.responses import JSONResponse
-
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-# ------------------------------------------------------------------------------------ request validation
-# Parameters the server does not implement: accepted only at their neutral value, refused otherwise.
-_NEUTRAL = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "store": (None, False),
-    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
-    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
-}
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "user", "ignore_eos"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens"}
-_COMPLETION = _COMMON | {"prompt"}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _get_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise _bad(f"'{key}' must be an integer, got {json.dumps(v)}", key, "invalid_type")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise _bad(f"'{key}' must be {rng}, got {v}", key)
-    return v
-
-
-def _get_num(body: dict, key: str, lo: float, hi: float) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise _bad(f"'{key}' must be a number, got {json.dumps(v)}", key, "invalid_type")
-    if not lo <= v <= hi:
-        raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
-    return float(v)
-
-
-def _get_bool(body: dict, key: str) -> bool | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise _bad(f"'{key}' must be a boolean, got {json.dumps(v)}", key, "invalid_type")
-    return v
-
-
-@dataclass
-class ParsedRequest:
-    prompt_ids: list[int]
-    config: GenerationConfig
-    sampling: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-class RequestParser:
-    """Validates a request body and turns it into prompt ids + generation settings (or raises APIError)."""
-
-    def __init__(self, tokenizer, model_name: str, max_context: int, max_tokens_cap: int, block_size: int | None,
-                 vocab_size: int) -> None:
-        self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
-        self.max_tokens_cap, self.block_size, self.vocab_size = max_tokens_cap, block_size, vocab_size
-
-    def parse(self, body, chat: bool) -> ParsedRequest:
-        if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object", None, "invalid_type")
-        allowed = _CHAT if chat else _COMPLETION
-        for key, value in body.items():
-            if key in allowed:
-                continue
-            if key in _NEUTRAL:
-                if not any(_same(value, n) for n in _NEUTRAL[key]):
-                    raise _bad(f"'{key}' is not supported by this server (only {_neutral_text(key)} is accepted)",
-                               key, "unsupported_parameter")
-                continue
-            raise _bad(f"Unrecognized request argument supplied: {key}", key, "unsupported_parameter")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise _bad("'model' is required and must be a string", "model", "invalid_type")
-        if model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
-        n = _get_int(body, "n", 1)
-        if n is not None and n != 1:
-            raise _bad("'n' > 1 is not supported by this server (one choice per request)", "n",
-                       "unsupported_parameter")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise _bad("'user' must be a string", "user", "invalid_type")
-
-        prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        if len(prompt_ids) >= self.max_context:
-            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens, but the prompt "
-                                f"has {len(prompt_ids)} tokens (at least one token must remain for the completion). "
-                                "Please shorten the prompt.", param="messages" if chat else "prompt",
-                           code="context_length_exceeded")
-
-        max_tokens = _get_int(body, "max_tokens", 1)
-        if chat:
-            mct = _get_int(body, "max_completion_tokens", 1)
-            max_tokens = mct if mct is not None else max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens_cap if chat else min(16, self.max_tokens_cap)  # OpenAI's legacy default
-        max_tokens = min(max_tokens, self.max_tokens_cap)
-
-        temperature = _get_num(body, "temperature", 0.0, 2.0)
-        top_p = _get_num(body, "top_p", 0.0, 1.0)
-        if top_p is not None and top_p <= 0.0:
-            raise _bad("'top_p' must be in (0, 1]", "top_p")
-        top_k = _get_int(body, "top_k", -1)
-        seed = _get_int(body, "seed", -(1 << 63), (1 << 63) - 1)
-        ignore_eos = _get_bool(body, "ignore_eos") or False
-        stop = body.get("stop")
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            stops = tuple(stop)
-        else:
-            raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise _bad(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
-        if any(not s for s in stops):
-            raise _bad("stop sequences must be non-empty strings", "stop")
-        stream = _get_bool(body, "stream") or False
-        include_usage = False
-        opts = body.get("stream_options")
-        if opts is not None:
-            if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-                raise _bad("'stream_options' must be an object with 'include_usage'", "stream_options")
-            include_usage = bool(_get_bool(opts, "include_usage"))
-        try:
-            sampling = SamplingParams(temperature=temperature if temperature is not None else 1.0,
-                                      top_p=top_p if top_p is not None else 1.0,
-                                      top_k=0 if top_k in (None, -1) else top_k, seed=seed)
-            config = GenerationConfig(max_new_tokens=max_tokens, block_size=self.block_size, stop_strings=stops,
-                                      ignore_eos=ignore_eos)
-        except ValueError as e:
-            raise _bad(str(e)) from None
-        return ParsedRequest(prompt_ids, config, sampling, stream, include_usage)
-
-    # ------------------------------------------------------------------------------------------ prompts
-    def _chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("'messages' must be a non-empty list of messages", "messages", "invalid_type")
-        clean = []
-        for i, m in enumerate(messages):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise _bad(f"{where} must be an object", where, "invalid_type")
-            extra = set(m) - {"role", "content", "name"}
-            if extra:
-                raise _bad(f"{where} has unsupported fields {sorted(extra)} (tool calls are not supported)", where,
-                           "unsupported_parameter")
-            role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise _bad(f"{where}.role must be one of system, developer, user, assistant; got {json.dumps(role)}",
-                           f"{where}.role", "invalid_value")
-            content = m.get("content")
-            if isinstance(content, list):
-                parts = []
-                for j, part in enumerate(content):
-                    is_text = isinstance(part, dict) and part.get("type") == "text"
-                    if not (is_text and isinstance(part.get("text"), str)):
-                        raise _bad(f"{where}.content[{j}]: only text parts are supported", f"{where}.content",
-                                   "unsupported_parameter")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            if not isinstance(content, str):
-                raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content",
-                           "invalid_type")
-            clean.append({"role": "system" if role == "developer" else role, "content": content})
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages",
-                           code="no_chat_template")
-        from ..loading import encode_prompt
-
-        try:
-            return encode_prompt(self.tokenizer, clean)
-        except Exception as e:  # noqa: BLE001 - a template may reject a conversation (e.g. role order)
-            raise _bad(f"the chat template rejected these messages: {e}", "messages") from None
-
-    def _completion_prompt(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            if any(not 0 <= t < self.vocab_size for t in prompt):
-                raise _bad(f"prompt token ids must be in 0..{self.vocab_size - 1}", "prompt")
-            ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise _bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
-        else:
-            raise _bad("'prompt' must be a string, a list of token ids, or a list holding one of those", "prompt",
-                       "invalid_type")
-        if not ids:
-            raise _bad("the prompt is empty", "prompt")
-        return ids
-
-
-def _same(value, neutral) -> bool:
-    """value equals a neutral setting (booleans and None by identity, so False is not 0 and 0 is not False)."""
-    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool):
-        return value is neutral
-    if isinstance(neutral, (int, float)) and isinstance(value, (int, float)):
-        return value == neutral
-    return type(value) is type(neutral) and value == neutral
-
-
-def _neutral_text(key: str) -> str:
-    return " or ".join(json.dumps(v) for v in _NEUTRAL[key])
 
 
 # ------------------------------------------------------------------------------------------------ the app
@@ -307,6 +54,7 @@ class ServerSettings:
     max_tokens_cap: int = 512
     max_body_bytes: int = 1 << 20
     block_size: int | None = None
+    body_timeout: float = 30.0  # seconds to receive a whole request body (then 408): a stalled upload is dropped
 
 
 def _stats_extra(result, handle: RequestHandle, draft_name: str) -> dict:
@@ -327,8 +75,15 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
+    from starlette.middleware import Middleware
+    from starlette.responses import Response
+
+    from .metrics import ServerMetrics
+
     parser = RequestParser(tokenizer, settings.model_name, settings.max_context, settings.max_tokens_cap,
                            settings.block_size, settings.vocab_size)
+    metrics = ServerMetrics(scheduler.queue_state)
+    scheduler.on_finish = metrics.request_finished
     created = int(time.time())
 
     def check_auth(request: Request) -> None:
@@ -353,22 +108,38 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
                 if int(length) > limit:
                     raise too_big
             except ValueError:
-                raise _bad("invalid Content-Length header", None, "invalid_request") from None
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
+                raise APIError(400, "invalid Content-Length header", code="invalid_request") from None
+
+        async def receive_body() -> bytearray:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+            return body
+
+        try:
+            body = await asyncio.wait_for(receive_body(), settings.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {settings.body_timeout:g} s",
+                           code="request_timeout") from None
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"We could not parse the JSON body of your request ({e}).", None, "invalid_json") from None
+            raise APIError(400, f"We could not parse the JSON body of your request ({e}).",
+                           code="invalid_json") from None
+        except RecursionError:  # json's C parser gives up past ~1000 levels; a real request has fewer than 10
+            raise APIError(400, "We could not parse the JSON body of your request (nested too deeply).",
+                           code="invalid_json") from None
 
     async def health(request: Request):
         m = scheduler.metrics()
         ok = m["worker_alive"]
         return JSONResponse({"status": "ok" if ok else "error", "model": settings.model_name,
                              "draft": settings.draft_name, **m}, status_code=200 if ok else 503)
+
+    async def prometheus(request: Request):
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     async def models(request: Request):
         try:
@@ -502,12 +273,36 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_CountResponses, metrics=metrics)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+class _CountResponses:
+    """ASGI middleware: counts every HTTP answer by endpoint and status (an exception counts as the 500 it becomes)."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.count_response(scope["path"], status)
 
 
 # ---------------------------------------------------------------------------------------- command line
@@ -528,6 +323,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="verified positions per step shared by all rows (default: no limit, full blocks)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (then 413)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds allowed to receive a request body (then 408; guards against stalled uploads)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # testing aid
@@ -560,6 +357,8 @@ def build_server(args):
 
     if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
         raise ValueError("--max-batch and --max-tokens-cap must be >= 1, --max-queue >= 0, --max-body-bytes >= 1")
+    if not args.body_timeout > 0:
+        raise ValueError("--body-timeout must be > 0 seconds")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -587,7 +386,7 @@ def build_server(args):
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
                               vocab_size=target.vocab_size, api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                              block_size=args.block_size)
+                              block_size=args.block_size, body_timeout=args.body_timeout)
     return create_app(scheduler, tokenizer, settings), settings
 
 

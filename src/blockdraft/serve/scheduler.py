@@ -54,7 +54,7 @@ class RequestHandle:
     `result` is set when it is done (finish_reason "stop", "length" or "cancelled"), `error` if it failed."""
 
     def __init__(self, prompt_ids, config: GenerationConfig, sampling: SamplingParams,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, on_finish=None) -> None:
         self.id = uuid.uuid4().hex
         self.prompt_ids = list(prompt_ids)
         self.config = config
@@ -63,7 +63,9 @@ class RequestHandle:
         self.error: str | None = None
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None
+        self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self._on_finish = on_finish
         self._loop = loop
         self._q: queue.Queue | None = None if loop else queue.Queue()
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop else None
@@ -80,9 +82,16 @@ class RequestHandle:
             self.result = ev.result
         if ev.kind == "error":
             self.error = ev.error
+        if ev.kind == "delta" and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         if ev.kind in ("done", "error"):
             self.finished_at = time.perf_counter()
             self._closed = True
+            if self._on_finish is not None:
+                try:
+                    self._on_finish(self)
+                except Exception:  # noqa: BLE001 - a metrics hook must never fail a request or the worker
+                    log.exception("on_finish hook failed")
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
@@ -128,15 +137,17 @@ class RequestHandle:
 
 class Scheduler:
     """Owns `engine` (a BatchedEngine) through one worker thread. `step_delay` (seconds, testing aid) sleeps after
-    every engine step so that tests can hold requests in flight."""
+    every engine step so that tests can hold requests in flight. `on_finish(handle)` is called exactly once per
+    submitted request when it ends (done, cancelled or failed), from whichever thread ended it."""
 
-    def __init__(self, engine: BatchedEngine, max_queue: int = 16, step_delay: float = 0.0) -> None:
+    def __init__(self, engine: BatchedEngine, max_queue: int = 16, step_delay: float = 0.0, on_finish=None) -> None:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine = engine
         self.max_batch = engine.max_batch
         self.max_queue = max_queue
         self.step_delay = step_delay
+        self.on_finish = on_finish
         self._cv = threading.Condition()
         self._inbox: collections.deque[RequestHandle] = collections.deque()
         self._running: dict[str, RequestHandle] = {}
@@ -173,7 +184,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ submitting
     def submit(self, prompt_ids, config: GenerationConfig, sampling: SamplingParams,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        handle = RequestHandle(prompt_ids, config, sampling, loop)
+        handle = RequestHandle(prompt_ids, config, sampling, loop, self.on_finish)
         with self._cv:
             if not self.alive:
                 raise SchedulerClosedError("the scheduler is not running")
@@ -207,6 +218,11 @@ class Scheduler:
             return 1
         per_step = sum(self._step_seconds) / len(self._step_seconds)
         return max(1, math.ceil(per_step * 32))
+
+    def queue_state(self) -> tuple[int, int]:
+        """(requests decoding, requests waiting) now."""
+        with self._cv:
+            return len(self._running), len(self._inbox)
 
     def metrics(self) -> dict:
         with self._cv:
