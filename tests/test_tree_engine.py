@@ -207,3 +207,40 @@ def test_engine_rejects_a_malformed_tree(llama_target):
         SpeculativeEngine(llama_target, prop).generate(_prompt(), GenerationConfig(max_new_tokens=8))
     with pytest.raises(ValueError, match="budget"):
         TreeProposer(FakeDraft(_random_rows(0)))
+
+
+# ------------------------------------------------------------------------------------------------ the benchmark
+class _ChatTokenizer(ToyTokenizer):
+    """ToyTokenizer plus a chat template, as the benchmark encodes prompts (ids stay inside the vocabulary of 99)."""
+
+    chat_template = "stub"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [0] + [1 + ord(c) % 89 for m in messages for c in m["content"]] + [92]
+
+
+def test_bench_runs_the_tree_methods(tmp_path, monkeypatch):
+    """`dflash-tree` and `dflash+lookup` in `blockdraft bench`: a verify-cost calibration measured at start (into a
+    temporary cache dir), greedy fp32 outputs equal to ar's, nodes per step in the records and the report."""
+    import json
+
+    from blockdraft.eval.bench import BenchConfig, run_bench
+
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in
+                               enumerate(["abc abc abc xyz abc", "one two one two one"])) + "\n")
+    tok = _ChatTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    cfg = BenchConfig(prompts=str(pfile), n=None, max_new_tokens=16, methods=("ar", "dflash-tree", "dflash+lookup"),
+                      dtype="fp32", out=str(tmp_path / "out"), progress=False, plots=False, threads=1)
+    res = run_bench(cfg, target=target, tokenizer=tok, draft=tiny_draft(target, block_size=6))
+    assert res["methods"] == ["ar", "dflash-tree", "dflash+lookup"]
+    assert any("verify-cost calibration" in n for n in res["notes"])
+    assert list((tmp_path / "cache" / "calibration").glob("verify-cost-*.json"))
+    recs = [r for r in res["records"] if r["method"] != "ar"]
+    assert len(recs) == 4 and all(r["match_ar"] for r in recs)
+    assert all(len(r["tree_nodes"]) == len(r["accept_lengths"]) for r in recs)
+    rows = [r for r in res["summary"]["0"]["rows"] if r["method"] == "dflash+lookup"]
+    assert rows and all(r["tree_nodes_mean"] > 0 for r in rows)
+    assert "### Tree verification" in (tmp_path / "out" / "report.md").read_text()

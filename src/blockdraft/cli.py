@@ -22,6 +22,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="decode through the target's HF modules and dynamic cache instead of the lean path")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the lean path's dense layers (minutes of compile; not faster on our CPU)")
+    p.add_argument("--tree", action="store_true",
+                   help="verify a tree of the draft's best candidates per step instead of its top-1 chain")
+    p.add_argument("--tree-lookup", action="store_true",
+                   help="a tree with prompt-lookup continuations as extra branches (implies --tree)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="candidate nodes per tree (default: chosen per step from a measured verify-cost curve, "
+                        "cached in ~/.cache/blockdraft/calibration)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +45,7 @@ def _load(args):
     import torch
 
     from .config import GenerationConfig, SamplingParams
-    from .loading import build_engine, load_target, resolve_draft
+    from .loading import build_engine, build_tree_engine, load_target, resolve_draft
 
     torch.set_grad_enabled(False)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
@@ -46,7 +53,11 @@ def _load(args):
                                denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
     target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile)
     draft = resolve_draft(args.draft, src.name)
-    engine = build_engine(target, draft, args.block_size, args.denoise_steps)
+    if args.tree or args.tree_lookup:
+        engine = build_tree_engine(target, draft, lookup=args.tree_lookup, budget=args.tree_budget,
+                                   block_size=args.block_size)
+    else:
+        engine = build_engine(target, draft, args.block_size, args.denoise_steps)
     log.info("target=%s draft=%s dtype=%s %s %s", src.name, draft or "none", args.dtype, gen_cfg, sampling)
     return engine, gen_cfg, sampling, draft
 
@@ -55,7 +66,9 @@ def _stats_line(res) -> str:
     s = res.stats
     return (f"[{s.new_tokens} tokens, tau {s.tau:.2f}, {s.target_forwards} target forwards, "
             f"decode {s.decode_tokens_per_s:.1f} tok/s, {s.total_seconds:.2f} s, "
-            f"draft {s.draft_seconds:.2f} s / verify {s.verify_seconds:.2f} s]")
+            f"draft {s.draft_seconds:.2f} s / verify {s.verify_seconds:.2f} s"
+            + (f", {sum(s.tree_nodes) / max(1, len(s.tree_nodes)):.1f} tree nodes per step (budget "
+               f"{s.tree['budget']})" if s.tree else "") + "]")
 
 
 def cmd_generate(args) -> int:

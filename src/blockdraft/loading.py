@@ -209,6 +209,35 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
     return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps))
 
 
+def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = False, budget: int | None = None,
+                      block_size: int | None = None, verify_cost=None, draft=None, recalibrate: bool = False):
+    """A SpeculativeEngine that verifies candidate trees (issue #13): the DFlash draft's best branches
+    (`dflash-tree`), plus prompt-lookup continuations with lookup=True (`dflash+lookup`; without a draft: lookup
+    branches only). budget: fixed candidate nodes per step; None: chosen per step from `verify_cost` (default: the
+    cached calibration of this target, measured now if there is none or if recalibrate). draft: an already-loaded
+    DFlashDraftModel instead of draft_path."""
+    from .calibrate import load_or_measure
+    from .draft import DFlashDraftModel
+    from .eagle import is_eagle_draft
+    from .engine import SpeculativeEngine
+    from .proposers.dflash import DFlashProposer
+    from .proposers.tree import TreeProposer
+
+    if draft is None and draft_path is not None:
+        if is_eagle_draft(draft_path):
+            raise ValueError("tree verification grows its tree from a DFlash draft's block; this is an EAGLE draft")
+        draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
+    if draft is None and not lookup:
+        raise ValueError("a draft tree needs a DFlash draft (--draft DIR), or prompt lookup (--tree-lookup)")
+    proposer = DFlashProposer(draft, target_model, block_size) if draft is not None else None
+    if proposer is not None and proposer.layer_ids:
+        target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it will run: features tapped
+    if budget is None and verify_cost is None:
+        verify_cost = load_or_measure(target_model, refresh=recalibrate)
+    return SpeculativeEngine(target_model, TreeProposer(proposer, lookup=lookup, budget=budget,
+                                                        verify_cost=verify_cost))
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
     """Text (or chat messages) -> prompt token ids, through the target's own chat template by default."""
     if chat_template and getattr(tokenizer, "chat_template", None):

@@ -3,6 +3,9 @@
 Methods:
 - `ar`: the engine with no proposer (plain autoregressive decoding), the baseline of every ratio;
 - `dflash`: the engine with the DFlash draft (skipped, with a note, when there is no draft);
+- `dflash-tree`, `dflash+lookup`: the same draft's candidate tree (its best branches) verified in one target forward,
+  and that tree with prompt-lookup continuations as extra branches (issue #13; `--tree-budget N` fixes the nodes per
+  step, default: chosen per step from a verify-cost calibration measured when the benchmark starts);
 - `pld`: the engine with prompt-lookup drafting (`PromptLookupProposer`);
 - `eagle`: the engine with an EAGLE-3 drafter (`EagleProposer`, chains of --gamma tokens; skipped, with a note,
   without --eagle-draft), the autoregressive-drafter baseline of the paper;
@@ -43,11 +46,13 @@ from . import metrics
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld")
+METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup",
+           "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
-ENGINE_METHODS = ("ar", "dflash", "pld", "eagle", "ar-hf", "dflash-hf")
+ENGINE_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "ar-hf", "dflash-hf")
 GREEDY_ONLY = ("hf-pld", "llamacpp-pld")  # external references run at temperature 0 only
-DRAFTING_METHODS = ("dflash", "pld", "eagle", "dflash-hf")  # methods with accept-length / per-position statistics
+# methods with accept-length / per-position statistics
+DRAFTING_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "dflash-hf")
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
 
@@ -76,6 +81,7 @@ class BenchConfig:
     llamacpp_gguf: str | None = None  # GGUF for llamacpp methods (default: the file the target came from, if any)
     eagle_draft: str | None = None  # EAGLE draft directory for method `eagle` (None: eagle is skipped)
     gamma: int = 7  # eagle: tokens drafted per verify step (chain length)
+    tree_budget: int | None = None  # dflash-tree, dflash+lookup: nodes per step (None: chosen from a calibration)
     threads: int | None = None
     warmup: bool = True
     progress: bool = True
@@ -195,7 +201,43 @@ class _Runner:
                 "position_trials": list(s.position_trials), "target_forwards": s.target_forwards,
                 "decode_tokens_per_s": s.decode_tokens_per_s, "e2e_seconds": e2e,
                 "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
-                "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds}
+                "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
+                "tree_nodes": list(s.tree_nodes) if s.tree is not None else None}
+
+
+def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, engines: dict, block_sizes: dict,
+                      methods: list[str], notes: list[str]) -> str | None:
+    """Engines of the tree methods (issue #13) on the DFlash draft, sharing one verify-cost calibration that is
+    measured now, so that the per-step budget reflects the machine as the benchmark finds it. Returns the draft's
+    description (None when there is no draft: the tree methods are then skipped with a note)."""
+    from ..draft import DFlashDraftModel
+    from ..loading import build_tree_engine, resolve_draft
+
+    wanted = [m for m in ("dflash-tree", "dflash+lookup") if m in methods]
+    if isinstance(draft, (str, Path)) or draft is None:
+        path = Path(draft) if draft is not None else resolve_draft(cfg.draft, target_name)
+        desc = str(path) if path is not None else None
+        draft = DFlashDraftModel.from_pretrained(path, dtype=target.dtype, device=target.device) if path else None
+    else:  # an already-built DFlashDraftModel
+        desc = f"<{type(draft).__name__}>"
+    if draft is None:
+        for m in wanted:
+            methods.remove(m)
+        notes.append(f"{', '.join(wanted)} skipped: no draft for target {target_name!r}")
+        return None
+    cost = None
+    for m in wanted:
+        eng = build_tree_engine(target, None, lookup=m == "dflash+lookup", budget=cfg.tree_budget,
+                                block_size=cfg.block_size, verify_cost=cost, draft=draft, recalibrate=cost is None)
+        cost = eng.proposer.verify_cost
+        eng.tokenizer = tok
+        engines[m] = eng
+        block_sizes[m] = cfg.block_size or eng.proposer.block_size
+    if cfg.tree_budget is None:
+        notes.append(f"tree budget chosen per step from a verify-cost calibration measured at start: verifying 16 / 64 "
+                     f"tokens costs {cost(16) / cost(1):.2f}x / {cost(64) / cost(1):.2f}x one token "
+                     f"({1e3 * cost(1):.1f} ms)")
+    return desc
 
 
 def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
@@ -242,6 +284,9 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             eng.tokenizer = tok
             engines["dflash"] = eng
             block_sizes["dflash"] = cfg.block_size or eng.proposer.block_size
+    if any(m in methods for m in ("dflash-tree", "dflash+lookup")):
+        desc = _add_tree_engines(cfg, target, target_name, tok, draft, engines, block_sizes, methods, notes)
+        draft_desc = draft_desc or desc
     if "pld" in methods:
         prop = PromptLookupProposer(max_ngram=cfg.pld_max_ngram, num_pred=cfg.pld_num_pred,
                                     block_size=cfg.block_size or 16)
@@ -473,6 +518,9 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
         if all(v is not None for v in tps.values()):
             row["decode_speedup"] = metrics.throughput_speedup(tps, ar_tps)
         row["e2e_speedup"] = metrics.time_speedup(e2e, ar_e2e)
+    if rs[0].get("tree_nodes") is not None:  # tree methods: candidate nodes verified per step (root excluded)
+        nodes = [x for r in rs for x in r["tree_nodes"]]
+        row["tree_nodes_mean"] = sum(nodes) / len(nodes) if nodes else None
     if rs[0]["accept_lengths"] is not None:
         # where a verify step's time goes: drafting, the target's verify forward (+ acceptance, cache crop and the
         # draft's context update), and the rest of the loop (stop checks, detokenisation, Python)
@@ -552,6 +600,14 @@ def render_report(results: dict) -> str:
                 per_tok = sm["total"] / r["tau"] if r["tau"] else None
                 lines.append(f"| {r['method']} | {sm['steps']} | {sm['draft']:.1f} | {sm['verify']:.1f} | "
                              f"{sm['other']:.1f} | {sm['total']:.1f} | {_num(per_tok, '{:.1f}')} |")
+            lines.append("")
+        trows = [r for r in block["rows"] if r.get("tree_nodes_mean") is not None]
+        if trows:
+            lines += [f"### Tree verification (T={tkey})", "",
+                      "Candidate nodes verified per step (the root excluded) and tokens committed per step.", "",
+                      "| task | method | nodes per step | tau |", "|---|---|---:|---:|"]
+            lines += [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} |"
+                      for r in trows]
             lines.append("")
         for meth in DRAFTING_METHODS:
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
@@ -690,6 +746,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="GGUF for the llamacpp methods (default: the target's own GGUF when it was loaded from one)")
     p.add_argument("--eagle-draft", default=None, help="EAGLE draft directory (method eagle; skipped without)")
     p.add_argument("--gamma", type=int, default=BenchConfig.gamma, help="eagle: tokens drafted per verify step")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="dflash-tree, dflash+lookup: candidate nodes per step (default: chosen per step from a "
+                        "verify-cost calibration measured at start)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -705,6 +764,7 @@ def config_from_args(args) -> BenchConfig:
                        block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype, seed=args.seed,
                        prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
                        pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
+                       tree_budget=args.tree_budget,
                        llamacpp_gguf=args.llamacpp_gguf, compile=args.compile,
                        threads=args.threads, plots=not args.no_plots,
                        progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
