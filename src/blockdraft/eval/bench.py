@@ -18,6 +18,13 @@ Methods:
   the GGUF the target was loaded from), plain and with its prompt-lookup draft (greedy only); skipped with a note
   when llama-cpp-python is not installed. llama.cpp runs the GGUF's own quantized kernels (Q4_1 for the default
   target), so its tokens can differ from the bf16 target's.
+- `llamacpp-bf16`: `llamacpp` on a bf16 GGUF of the target (`--llamacpp-bf16-gguf`, default: exported once from the
+  target's GGUF into the cache dir): the weights our bf16 engine runs, in llama.cpp's kernels;
+- `llamacpp-dflash`, `llamacpp-dflash-bf16`: our DFlash draft (exported to GGUF) in llama.cpp's own DFlash
+  (`llama-server --spec-type draft-dflash` on a loopback port, built by `make llamacpp`) on the `llamacpp` and
+  `llamacpp-bf16` files, greedy only; tau is llama.cpp's mean acceptance length, and `plain match` says whether the
+  greedy output equals the plain method's on the same file (issue #14). Skipped with a note when the tools are not
+  built.
 
 Fairness: one target instance serves every method; one short warm-up generation per method is not measured;
 methods run prompt by prompt in a rotating order so that machine drift hits all of them alike. Every ratio is
@@ -43,14 +50,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import metrics
+from .llamacpp_server import PLAIN_REFERENCE
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup",
-           "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld")
+           "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld",
+           "llamacpp-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
 ENGINE_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "ar-hf", "dflash-hf")
-GREEDY_ONLY = ("hf-pld", "llamacpp-pld")  # external references run at temperature 0 only
+# external references run at temperature 0 only
+GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-dflash", "llamacpp-dflash-bf16")
 # methods with accept-length / per-position statistics
 DRAFTING_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "dflash-hf")
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
@@ -79,6 +89,9 @@ class BenchConfig:
     hf_pld_tokens: int = 10
     compile: bool = False  # torch.compile the lean target path (compile time is paid in the warm-up)
     llamacpp_gguf: str | None = None  # GGUF for llamacpp methods (default: the file the target came from, if any)
+    llamacpp_bf16_gguf: str | None = None  # bf16 GGUF for llamacpp-bf16 / llamacpp-dflash-bf16 (default: exported)
+    llamacpp_draft_gguf: str | None = None  # draft GGUF for llamacpp-dflash* (default: the draft, exported)
+    llamacpp_draft_n: int | None = None  # llamacpp-dflash*: tokens drafted per step (default: the draft's block - 1)
     eagle_draft: str | None = None  # EAGLE draft directory for method `eagle` (None: eagle is skipped)
     gamma: int = 7  # eagle: tokens drafted per verify step (chain length)
     tree_budget: int | None = None  # dflash-tree, dflash+lookup: nodes per step (None: chosen from a calibration)
@@ -329,12 +342,21 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             methods.remove(m)
             notes.append(f"{m} skipped: the target has no Hugging Face `generate`")
     external = {}
-    for m in ("llamacpp", "llamacpp-pld"):
+    for m in ("llamacpp", "llamacpp-pld", "llamacpp-bf16"):
         if m not in methods:
             continue
         from .external import LlamaCpp, llamacpp_available
 
-        why = llamacpp_available() or (None if gguf else "no GGUF file (--llamacpp-gguf PATH)")
+        why, file = llamacpp_available(), gguf
+        if why is None and m == "llamacpp-bf16":
+            from .llamacpp_server import bf16_gguf
+
+            try:
+                file = str(bf16_gguf(cfg.target, cfg.llamacpp_bf16_gguf))
+            except (OSError, ValueError) as e:
+                why = str(e)
+        if why is None and not file:
+            why = "no GGUF file (--llamacpp-gguf PATH)"
         if why is not None:
             methods.remove(m)
             notes.append(f"{m} skipped: {why}")
@@ -342,9 +364,20 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
         import torch
 
         pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if m == "llamacpp-pld" else None
-        external[m] = LlamaCpp(gguf, cfg.threads or torch.get_num_threads(), min(target.max_context, 4096), pld)
-        notes.append(f"{m}: llama.cpp on {Path(gguf).name} (its own quantized kernels), "
+        external[m] = LlamaCpp(file, cfg.threads or torch.get_num_threads(), min(target.max_context, 4096), pld)
+        notes.append(f"{m}: llama.cpp on {Path(file).name} (its own quantized kernels), "
                      f"{cfg.threads or torch.get_num_threads()} threads")
+    if any(m in methods for m in ("llamacpp-dflash", "llamacpp-dflash-bf16")):
+        import torch
+
+        from .llamacpp_server import build_server_runners
+
+        draft_dir = (resolve_draft(cfg.draft, target_name) if draft is None
+                     else Path(draft) if isinstance(draft, (str, Path)) else None)
+        external.update(build_server_runners(
+            methods, target=cfg.target, target_gguf=gguf, bf16=cfg.llamacpp_bf16_gguf, draft_dir=draft_dir,
+            draft_gguf=cfg.llamacpp_draft_gguf, draft_n=cfg.llamacpp_draft_n,
+            threads=cfg.threads or torch.get_num_threads(), n_ctx=min(target.max_context, 4096), notes=notes))
     return target, target_name, tok, engines, methods, block_sizes, draft_desc, external
 
 
@@ -430,6 +463,9 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
         for m, r in out.items():
             r["match_ar"] = None if m == "ar" else r["token_ids"] == ref
             r["first_mismatch"] = None if m == "ar" or r["match_ar"] else _first_mismatch(r["token_ids"], ref)
+        for m, plain in PLAIN_REFERENCE.items():  # llama.cpp + draft vs llama.cpp alone, same GGUF
+            if m in out:
+                out[m]["match_plain"] = out[plain]["token_ids"] == out[m]["token_ids"] if plain in out else None
         records.extend(out[m] for m in ms)
         return out
 
@@ -453,6 +489,8 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
                         run_item(_Item(item.index, item.prompt, 2, ids2, msgs), temp, ms)
     finally:
         bar.close()
+        for r in external.values():  # llama-server processes
+            getattr(r, "close", lambda: None)()
 
     summary = summarize_records(records, methods, block_sizes, cfg.temperatures)
     out_dir = Path(cfg.out)
@@ -518,6 +556,11 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
         if all(v is not None for v in tps.values()):
             row["decode_speedup"] = metrics.throughput_speedup(tps, ar_tps)
         row["e2e_speedup"] = metrics.time_speedup(e2e, ar_e2e)
+    if rs[0].get("llamacpp"):  # llama.cpp's own drafting counters (llamacpp-dflash*): its mean acceptance length
+        c = {k: sum(r["llamacpp"][k] for r in rs) for k in ("drafted", "accepted", "verify_steps")}
+        row["tau"] = 1 + c["accepted"] / c["verify_steps"] if c["verify_steps"] else None
+        row["llamacpp"] = dict(c, accept_rate=c["accepted"] / c["drafted"] if c["drafted"] else None,
+                               plain_match_rate=metrics.match_rate(r.get("match_plain") for r in rs))
     if rs[0].get("tree_nodes") is not None:  # tree methods: candidate nodes verified per step (root excluded)
         nodes = [x for r in rs for x in r["tree_nodes"]]
         row["tree_nodes_mean"] = sum(nodes) / len(nodes) if nodes else None
@@ -588,6 +631,20 @@ def render_report(results: dict) -> str:
                          f"{_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
                          f"{_spd(r['decode_speedup'])} | {_spd(r['e2e_speedup'])} | {share} | {match} |")
         lines.append("")
+        lrows = [r for r in block["rows"] if r.get("llamacpp")]
+        if lrows:
+            lines += [f"### llama.cpp + our DFlash draft (T={tkey})", "",
+                      "llama.cpp's own counters: drafted and accepted tokens, verify steps; tau = 1 + accepted / "
+                      "steps. plain match = share of prompts whose greedy output equals llama.cpp's plain output on "
+                      "the same GGUF (`llamacpp` / `llamacpp-bf16`).", "",
+                      "| task | method | drafted | accepted | steps | accept rate | tau | plain match |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|"]
+            for r in lrows:
+                c = r["llamacpp"]
+                pm = "—" if c["plain_match_rate"] is None else f"{c['plain_match_rate']:.0%}"
+                lines.append(f"| {r['task']} | {r['method']} | {c['drafted']} | {c['accepted']} | "
+                             f"{c['verify_steps']} | {_num(c['accept_rate'])} | {_num(r['tau'])} | {pm} |")
+            lines.append("")
         split = [r for r in block["rows"] if r["step_ms"] and r["task"] == ("all" if len(block["tasks"]) > 1
                                                                               else block["tasks"][0])]
         if split:
@@ -744,6 +801,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the lean target path (warm-up pays it)")
     p.add_argument("--llamacpp-gguf", default=None,
                    help="GGUF for the llamacpp methods (default: the target's own GGUF when it was loaded from one)")
+    p.add_argument("--llamacpp-bf16-gguf", default=None,
+                   help="bf16 GGUF for llamacpp-bf16 / llamacpp-dflash-bf16 (default: exported from the target's GGUF "
+                        "into the cache dir once)")
+    p.add_argument("--llamacpp-draft-gguf", default=None,
+                   help="draft GGUF for llamacpp-dflash* (default: the --draft directory exported once)")
+    p.add_argument("--llamacpp-draft-n", type=int, default=None,
+                   help="llamacpp-dflash*: tokens drafted per step (default: the draft's decode block size - 1)")
     p.add_argument("--eagle-draft", default=None, help="EAGLE draft directory (method eagle; skipped without)")
     p.add_argument("--gamma", type=int, default=BenchConfig.gamma, help="eagle: tokens drafted per verify step")
     p.add_argument("--tree-budget", type=int, default=None,
@@ -766,6 +830,8 @@ def config_from_args(args) -> BenchConfig:
                        pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
                        tree_budget=args.tree_budget,
                        llamacpp_gguf=args.llamacpp_gguf, compile=args.compile,
+                       llamacpp_bf16_gguf=args.llamacpp_bf16_gguf, llamacpp_draft_gguf=args.llamacpp_draft_gguf,
+                       llamacpp_draft_n=args.llamacpp_draft_n,
                        threads=args.threads, plots=not args.no_plots,
                        progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
 
