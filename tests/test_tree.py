@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from blockdraft.calibrate import VerifyCost, load_or_measure, measure_verify_cost
+from blockdraft.calibrate import VerifyCost, load_or_measure, measure_verify_cost, monotone
 from blockdraft.proposers.lookup import find_continuations
 from blockdraft.proposers.tree import TreeProposer
 from blockdraft.target import TargetModel
@@ -260,3 +260,10 @@ def test_verify_cost_is_measured_and_cached(tmp_path, one_thread):
     assert load_or_measure(target, path=path, max_width=3, context=5, reps=1).max_width == 3  # corrupt: remeasured
     with pytest.raises(ValueError):
         VerifyCost([0.1, 0.0])
+
+
+def test_monotone_fit_pools_decreasing_runs():
+    assert monotone([1.0, 0.8, 0.9, 2.0, 1.5, 3.0]) == pytest.approx([0.9, 0.9, 0.9, 1.75, 1.75, 3.0])
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    cost = measure_verify_cost(TargetModel(tiny_llama(layers=2)), max_width=20, context=5, reps=1)
+    assert all(a <= b for a, b in zip(cost.seconds, cost.seconds[1:]))

@@ -244,3 +244,42 @@ def test_bench_runs_the_tree_methods(tmp_path, monkeypatch):
     rows = [r for r in res["summary"]["0"]["rows"] if r["method"] == "dflash+lookup"]
     assert rows and all(r["tree_nodes_mean"] > 0 for r in rows)
     assert "### Tree verification" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_lookup_rates_are_learnt_per_position_class():
+    """accept_tree counts, per lookup branch, its first token and its later tokens apart: trials while the parent
+    was accepted, hits when the token was."""
+    prop = TreeProposer(None, lookup=True, budget=20, lookup_depth=4)
+    prop.start(torch.tensor([1]), None)
+    tokens = torch.tensor([7, 1, 2, 3, 4, 9, 7, 1])  # "7 1" occurred before: the continuation is 2 3 4 9
+    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    assert prop._lookups[0] == [2, 3, 4, 9]
+    node = {tuple(tree.path_tokens(i)): i for i in range(tree.num_nodes)}
+    prop.accept_tree(tree, [0, node[(2,)], node[(2, 3)]], None)  # 2 and 3 accepted, 4 rejected
+    assert prop._trials[0] == [1.0, 2.0] and prop._hits[0] == [1.0, 1.0]
+    assert prop.lookup_rate(0, first=True) == pytest.approx(2 / 3) and prop.lookup_rate(0, first=False) == 0.5
+    prop.start(torch.tensor([1]), None)  # a new generation starts from the prior again
+    assert prop.lookup_rate(0, first=False) == 0.5
+
+
+def test_draft_is_skipped_when_a_lookup_branch_is_worth_more_than_it_costs(llama_target):
+    """A slow draft (5 ms a call) against a near-free verify: once a lookup continuation exists the draft cannot
+    pay for itself and is skipped, and the output stays token-exact."""
+    import time as _time
+
+    calls = []
+
+    def slow_rows(n, g):
+        calls.append(n)
+        _time.sleep(0.005)
+        return _random_rows(n)(n, g)
+
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14])
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    prop = TreeProposer(FakeDraft(slow_rows, block_size=4), lookup=True, verify_cost=lambda w: 1e-4 * (1 + w))
+    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                                  ignore_eos=True))
+    assert res.token_ids == ref
+    skips, steps = res.stats.tree["draft_skips"], len(res.stats.accept_lengths)
+    # every step drafts or skips, but a last step with one token left to make has nothing to draft
+    assert skips > 0 and len(calls) + skips in (steps - 1, steps)

@@ -64,7 +64,9 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
                         seed: int = 0) -> VerifyCost:
     """Time target forwards of 1..max_width tokens after a `context`-token prefill (random tokens: the cost does
     not depend on them). Widths are visited in a rotating order per repetition so that slow phases of the machine
-    spread over all of them; each width keeps its fastest time. Widths between the timed ones are interpolated."""
+    spread over all of them; each width keeps its fastest time. The times are then made non-decreasing in width
+    (`monotone`: verifying more tokens never costs less, so a dip is noise, e.g. another process pausing; left in,
+    it would pull every budget choice to that width), and widths between the timed ones are interpolated."""
     if max_width < 1 or context < 1 or reps < 1:
         raise ValueError("max_width, context and reps must be >= 1")
     context = min(context, target.max_context - max_width - 1)
@@ -86,6 +88,7 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
                 cache.crop(context)
                 if r > 0:
                     best[w] = min(best[w], dt)
+    best = dict(zip(timed, monotone([best[w] for w in timed])))
     seconds = []
     for w in range(1, max_width + 1):
         lo = max(t for t in timed if t <= w)
@@ -94,6 +97,19 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
         seconds.append((1 - f) * best[lo] + f * best[hi])
     return VerifyCost(seconds, context, {"threads": torch.get_num_threads(), "dtype": str(target.dtype).replace(
         "torch.", ""), "path": "lean" if target.lean is not None else "hf", "reps": reps, "timed_widths": timed})
+
+
+def monotone(y: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of y (pool adjacent violators): each run of values that decreases is
+    replaced by its mean."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in y:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(c)]
 
 
 def _key(target) -> str:

@@ -130,7 +130,7 @@ class _Node:
 
 
 def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lookups: Sequence[Sequence[int]] = (),
-               lookup_conf: Sequence[float] = (), max_depth: int | None = None, sample: bool = False,
+               lookup_conf: Sequence[float | Sequence[float]] = (), max_depth: int | None = None, sample: bool = False,
                choose: Callable[[list[float]], int] | None = None,
                generator: torch.Generator | None = None) -> Tree:
     """Build a candidate tree by best-first expansion.
@@ -138,9 +138,9 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     root: the last committed token. q: [D, V] the draft's distribution at depths 1..D (None: no draft, lookup only).
     budget: at most this many candidate nodes (the root excluded); top_k: at most this many draft children per node.
     lookups: prompt-lookup continuations (token lists starting at depth 1); lookup_conf[r]: the estimated probability
-    that a token of continuation r is accepted given that its parent was (branch r's nodes score their parent's score
-    times that, or times the draft's probability of the token when it is higher: a lookup token the draft also
-    proposes is one node). max_depth: no node deeper than this.
+    that a token of continuation r is accepted given that its parent was, one number or one per depth (branch r's
+    nodes score their parent's score times that, or times the draft's probability of the token when it is higher: a
+    lookup token the draft also proposes is one node). max_depth: no node deeper than this.
     sample: False -> every draft child is one of the top-k tokens of q (greedy verification); True -> draft children
     are slots filled by drawing without replacement from q (lookup siblings excluded) after the shape is fixed.
     choose(scores) -> how many of the best nodes to keep; scores are in non-increasing order (default: all).
@@ -178,7 +178,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
             if d <= len(lookups[r]):
                 tok = int(lookups[r][d - 1])
                 conf, br = lk.get(tok, (0.0, set()))
-                lk[tok] = (max(conf, float(lookup_conf[r])), br | {r})
+                c = lookup_conf[r] if isinstance(lookup_conf[r], (int, float)) else lookup_conf[r][d - 1]
+                lk[tok] = (max(conf, float(c)), br | {r})
         qd = q[d - 1] if (q is not None and d <= d_draft) else None
         for tok, (conf, br) in lk.items():
             if qd is not None:

@@ -10,7 +10,17 @@ is accepted, so the expected tokens committed by a tree of b nodes is 1 + s_1 + 
 expected tokens per second, (1 + s_1 + ... + s_b) / (draft time + verify_cost(b + 1)).
 
 Scores: the product of the draft's probabilities along the path; a lookup token's factor is the running acceptance
-rate of that lookup branch in this generation (prior 1/2), or the draft's probability of the token when higher.
+rate, in this generation, of that lookup branch's tokens given that their parent was accepted (prior 1/2), kept apart
+for a branch's first token and for the tokens after it (a copy that starts right tends to go on: on the default
+target the conditional rate is ~0.45 for the first token and ~0.6-0.9 after it), or the draft's probability of the
+token when higher.
+
+Skipping the draft (`dflash+lookup` with a chosen budget): when a lookup continuation exists, the lookup-only tree's
+best rate is compared with the rate expected if the draft also runs, (1 + E_lookup + G) / (draft time +
+verify_cost(1 + lookup nodes + draft nodes)), where G and the number of draft nodes are running means over the
+earlier steps of this generation that had both (G = the summed scores of the draft's nodes). When the draft cannot
+pay for itself (a long, reliable copy), the step verifies the lookup branches alone; the draft's context is still
+extended with every accepted token, so the next step can use it again.
 """
 
 from __future__ import annotations
@@ -55,48 +65,86 @@ class TreeProposer:
         self.max_nodes = 1 + (budget if budget is not None else max_budget)
         self._draft_s: float | None = None  # running mean of the draft forward's time, for the budget choice
         self._lookups: list[list[int]] = []
-        self._hits, self._trials = [0.0] * lookup_branches, [0.0] * lookup_branches
+        self._reset_rates()
+        self.draft_skips = 0  # steps of the last generation that verified lookup branches without the draft
+
+    def _reset_rates(self) -> None:
+        # [branch][0: a branch's first token, 1: the tokens after it]
+        self._hits = [[0.0, 0.0] for _ in range(self.lookup_branches)]
+        self._trials = [[0.0, 0.0] for _ in range(self.lookup_branches)]
+        self._gain: tuple[float, float] | None = None  # running (G, draft nodes) of steps with lookup and draft
+        self.draft_skips = 0
 
     # ---------------------------------------------------------------------------------------------- life cycle
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         if self.draft is not None:
             self.draft.start(prompt_ids, features)
         # acceptance rates are learnt per generation, so that a seeded sampling run is reproducible
-        self._hits, self._trials = [0.0] * self.lookup_branches, [0.0] * self.lookup_branches
+        self._reset_rates()
 
-    def lookup_rate(self, branch: int) -> float:
-        return (self._hits[branch] + PRIOR_HITS) / (self._trials[branch] + PRIOR_TRIALS)
+    def lookup_rate(self, branch: int, first: bool) -> float:
+        """Estimated P(a token of lookup branch `branch` is accepted | its parent was), for its first token or for a
+        later one."""
+        c = 0 if first else 1
+        return (self._hits[branch][c] + PRIOR_HITS) / (self._trials[branch][c] + PRIOR_TRIALS)
+
+    def _lookup_conf(self, branch: int, length: int) -> list[float]:
+        return [self.lookup_rate(branch, d == 0) for d in range(length)]
 
     @torch.no_grad()
     def propose_tree(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
                      generator: torch.Generator | None) -> Tree:
         """tokens [n] committed (the last one becomes the root) -> a tree of depth <= max_depth."""
+        d_lookup = min(max_depth, self.lookup_depth)
+        self._lookups = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
+                         if d_lookup > 0 else [])
+        conf = [self._lookup_conf(r, len(c)) for r, c in enumerate(self._lookups)]
+        budget = self.budget if self.budget is not None else self.max_budget
+        root = int(tokens[-1])
         q = None
         d_draft = min(max_depth, self.draft_depth)
+        if d_draft > 0 and self._lookups and self.budget is None and self._gain is not None:
+            if not self._draft_pays(root, budget, conf, max_depth):
+                d_draft = 0
+                self.draft_skips += 1
         if d_draft > 0:
             t0 = time.perf_counter()
             q = self.draft.distributions(tokens, d_draft, sampling)  # [D, V]
             dt = time.perf_counter() - t0
             self._draft_s = dt if self._draft_s is None else 0.8 * self._draft_s + 0.2 * dt
-        d_lookup = min(max_depth, self.lookup_depth)
-        self._lookups = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
-                         if d_lookup > 0 else [])
-        return build_tree(int(tokens[-1]), q, budget=self.budget if self.budget is not None else self.max_budget,
-                          top_k=self.top_k, lookups=self._lookups,
-                          lookup_conf=[self.lookup_rate(r) for r in range(len(self._lookups))],
+        tree = build_tree(root, q, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
                           max_depth=max_depth, sample=not sampling.greedy,
                           choose=None if self.budget is not None else self.choose_budget, generator=generator)
+        if q is not None and self._lookups:
+            drafted = ~tree.point_mass[1:]
+            g, n = float(tree.score[1:][drafted].sum()), float(drafted.sum())
+            old = self._gain or (g, n)
+            self._gain = (0.8 * old[0] + 0.2 * g, 0.8 * old[1] + 0.2 * n)
+        return tree
 
-    def choose_budget(self, scores: list[float]) -> int:
-        """scores of the candidate nodes in best-first (non-increasing) order -> how many to verify."""
-        fixed = self._draft_s or 0.0
+    def _draft_pays(self, root: int, budget: int, conf: list[list[float]], max_depth: int) -> bool:
+        """Whether running the draft is expected to raise tokens per second over the lookup branches alone."""
+        seen: list[list[float]] = []
+        build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
+                   max_depth=max_depth, choose=lambda s: seen.append(s) or 0)
+        b, rate = self._best(seen[0], 0.0)
+        gain, nodes = self._gain
+        cost = (self._draft_s or 0.0) + self.verify_cost(1 + b + round(nodes))
+        return (1.0 + sum(seen[0][:b]) + gain) / cost > rate
+
+    def _best(self, scores: list[float], fixed: float) -> tuple[int, float]:
+        """(b, rate): the number of best-first nodes that maximises expected tokens per second, and that rate."""
         best_b, best_rate, expected = 0, 1.0 / (fixed + self.verify_cost(1)), 1.0
         for b, s in enumerate(scores, start=1):
             expected += s
             rate = expected / (fixed + self.verify_cost(b + 1))
             if rate > best_rate:
                 best_b, best_rate = b, rate
-        return best_b
+        return best_b, best_rate
+
+    def choose_budget(self, scores: list[float]) -> int:
+        """scores of the candidate nodes in best-first (non-increasing) order -> how many to verify."""
+        return self._best(scores, self._draft_s or 0.0)[0]
 
     def accept_tree(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
         """After verification: path = the accepted nodes from the root; features [1, len(path), K*H] of them."""
@@ -107,14 +155,15 @@ class TreeProposer:
         kids, tokens, on_path = tree.children(), tree.tokens.tolist(), set(path)
         for r, cont in enumerate(self._lookups):
             node = 0  # walk branch r while the target accepted it: each verified token is a trial
-            for tok in cont:
+            for d, tok in enumerate(cont):
                 child = next((c for c in kids[node] if tokens[c] == tok), None)
                 if child is None:
                     break
-                self._trials[r] += 1
+                c = 0 if d == 0 else 1
+                self._trials[r][c] += 1
                 if child not in on_path:
                     break
-                self._hits[r] += 1
+                self._hits[r][c] += 1
                 node = child
 
     def describe(self) -> dict:
@@ -123,4 +172,6 @@ class TreeProposer:
              "lookup_depth": self.lookup_depth, "budget": self.budget if self.budget is not None else "auto"}
         if self.budget is None and hasattr(self.verify_cost, "summary"):
             d["calibration"] = self.verify_cost.summary()
+        if self.draft is not None and self.lookup:
+            d["draft_skips"] = self.draft_skips
         return d
