@@ -210,6 +210,56 @@ def _train_args(t: argparse.ArgumentParser) -> None:
             t.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default {default})")
 
 
+def cmd_teacher_cache(args) -> int:
+    """Prefill the target over training records once: features, greedy labels, top-k logits (train/teacher.py)."""
+    from .loading import load_target
+    from .train.teacher import build_teacher_cache
+    from .train.trainer import load_records
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target, args.dtype)
+    records = load_records(args.data)[: args.limit]
+    layers = [int(x) for x in args.layer_ids.split(",")]
+    out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len)
+    print(json.dumps({"out": str(out), "records": len(records), "layer_ids": layers}))
+    return 0
+
+
+def cmd_train_fast(args) -> int:
+    """Train a DFlash draft on teacher caches (train/fast.py)."""
+    from dataclasses import fields
+
+    from .loading import load_target
+    from .train.fast import FastConfig, train_fast
+
+    kw = {f.name: getattr(args, f.name) for f in fields(FastConfig) if getattr(args, f.name, None) is not None}
+    if "layer_ids" in kw:
+        kw["layer_ids"] = [int(x) for x in kw["layer_ids"].split(",")]
+    cfg = FastConfig(**kw)
+    if not cfg.cache or not cfg.heldout_cache:
+        raise ValueError("train-fast needs --cache DIR and --heldout-cache DIR (written by `blockdraft teacher-cache`)")
+    log.info("fast training config: %s", cfg)
+    target, _ = load_target(args.target, "bf16")
+    print(json.dumps(train_fast(cfg, target, resume=args.resume)))
+    return 0
+
+
+def _fast_args(t: argparse.ArgumentParser) -> None:
+    """Every FastConfig field as an optional flag (None = the dataclass default)."""
+    from dataclasses import MISSING, fields
+
+    from .train.fast import FastConfig
+
+    for f in fields(FastConfig):
+        default = f.default if f.default is not MISSING else "1,27"
+        kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                       help=f"(default {default})")
+
+
 def cmd_export(args) -> int:
     from .gguf_export import export_gguf
 
@@ -292,6 +342,27 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--outtype", default="bf16", choices=["bf16", "f32"])
     x.add_argument("--out", required=True, help="output .gguf file")
     x.set_defaults(func=cmd_export)
+
+    tc = sub.add_parser("teacher-cache", help="cache the target's features, greedy labels and top-k logits over "
+                                              "training records (for train-fast; resumable)")
+    tc.add_argument("--target", default=None)
+    tc.add_argument("--data", required=True, help="JSONL shard directory or packed .npz of records")
+    tc.add_argument("--out", required=True)
+    tc.add_argument("--layer-ids", default="1,9,18,24,27,29", help="target layers to store (a superset of the "
+                                                                    "draft's)")
+    tc.add_argument("--topk", type=int, default=16)
+    tc.add_argument("--max-len", type=int, default=512)
+    tc.add_argument("--limit", type=int, default=None, help="first N records only")
+    tc.add_argument("--threads", type=int, default=None)
+    tc.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    tc.set_defaults(func=cmd_teacher_cache)
+
+    tf = sub.add_parser("train-fast", help="train a DFlash draft on teacher caches, with a learning curve against "
+                                           "held-out records (CPU-fast path)")
+    tf.add_argument("--target", default=None)
+    tf.add_argument("--resume", action="store_true")
+    _fast_args(tf)
+    tf.set_defaults(func=cmd_train_fast)
 
     from .eval.bench import register as register_bench
 

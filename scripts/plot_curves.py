@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Learning curves of fast-training runs (their curve.jsonl) against the reference predictors (probes.json):
+held-out position-1 accuracy and implied tau (decode block 4) vs training minutes and block rows seen.
+
+    .venv/bin/python scripts/plot_curves.py --probes P.json --run NAME=runs/x/curve.jsonl ... --out curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", action="append", required=True, help="NAME=path/to/curve.jsonl")
+    ap.add_argument("--probes", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+    for spec in args.run:
+        name, path = spec.split("=", 1)
+        rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        mins = [r["minutes"] for r in rows]
+        acc1 = [100 * r["acc"][0] for r in rows]
+        ax[0].plot(mins, acc1, marker=".", label=name)
+        ax[1].plot([r["rows"] / 1e6 for r in rows], acc1, marker=".", label=name)
+        ax[2].plot(mins, [r.get("tau4", float("nan")) for r in rows], marker=".", label=name)
+    if args.probes:
+        pr = json.loads(Path(args.probes).read_text())
+        for kind, style in (("bigram", ":"), ("feature", "--")):
+            best = 100 * max(c["acc1"] for c in pr[kind])
+            for a in ax[:2]:
+                a.axhline(best, color="gray", linestyle=style, label=f"{kind} probe ({best:.1f}%)")
+    ax[0].set(xlabel="training minutes (2 threads, shared machine)", ylabel="held-out position-1 accuracy (%)")
+    ax[1].set(xlabel="block rows seen (millions)", ylabel="held-out position-1 accuracy (%)")
+    ax[2].set(xlabel="training minutes", ylabel="implied tau at decode block 4")
+    for a in ax:
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

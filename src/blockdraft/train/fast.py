@@ -1,0 +1,398 @@
+"""Draft training on the cached target outputs, built for CPU minutes (issue #16).
+
+What makes it fast per CPU-second, against the generic trainer (`trainer.py`):
+- the target never runs during training: features, greedy labels and top-k logits come from a teacher cache
+  (`teacher.py`) written once at prefill speed;
+- the context keys/values of a sequence are computed once and shared by every anchor of that sequence, and the block
+  mask is factorised (`blockattn.py`), so using every response position as an anchor costs ~L*B rows of compute
+  instead of (L*B)^2 mask entries;
+- the loss runs over a reduced draft vocabulary head (the draft can only propose those tokens anyway);
+- labels are the target's own greedy tokens (teacher-forced), optionally with distillation against its top-k.
+
+Every run logs a learning curve (held-out top-1 accuracy per block position and the tau it implies, against wall
+clock and rows seen) to `curve.jsonl`, checkpoints atomically and resumes exactly (`--resume`): the sequences and
+anchors of step i are drawn from a generator seeded by (seed, i).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..draft import DFlashConfig, DFlashDraftModel
+from .blockattn import block_forward, soft_cross_entropy
+from .blocks import IGNORE
+from .teacher import TeacherCache, TeacherSequence, feats_tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FastConfig:
+    cache: str = ""  # teacher cache of the training records
+    heldout_cache: str = ""  # teacher cache of held-out records (learning curve)
+    out_dir: str = "runs/fast"
+    layer_ids: list[int] = field(default_factory=lambda: [1, 27])  # tapped target layers fed to the fusion
+    num_layers: int = 2
+    init: str = "target"  # "target" (copy the target's last layers), "target-identity" (the same with zeroed output
+    #                        maps), "random", or a draft directory to continue
+    block_size: int = 16  # the draft's block size (decoding may use any size up to it)
+    train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
+    #                        step into the first positions, which decide acceptance most
+    anchors: int = 0  # anchors per sequence; 0 = every valid response position
+    seqs_per_step: int = 4
+    steps: int = 1000
+    minutes: float = 0.0  # stop after this much training time (0 = no limit); the schedule still uses `steps`
+    lr: float = 6e-4
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # loss weight exp(-(k-1)/gamma) of block row k
+    kd_weight: float = 0.0  # 0 = cross-entropy on the target's greedy token; 1 = distillation on its top-k only
+    draft_vocab_size: int = 8192
+    mask_token_id: int | None = None  # default: chosen from the target's tokenizer
+    max_len: int = 512
+    seed: int = 0
+    eval_every: int = 50  # steps
+    eval_seqs: int = 64
+    eval_anchors: int = 32  # per held-out sequence (seeded, fixed for the whole run)
+    eval_block: int = 0  # rows per evaluated block (0 = block_size); the implied tau covers decode blocks up to it
+    save_every: int = 100
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError("block_size must be >= 2")
+        if self.train_block == 0:
+            self.train_block = self.block_size
+        if not 2 <= self.train_block <= self.block_size:
+            raise ValueError(f"train_block must be in 2..block_size ({self.block_size}), got {self.train_block}")
+        if self.eval_block == 0:
+            self.eval_block = self.block_size
+        if not 2 <= self.eval_block <= self.block_size:
+            raise ValueError(f"eval_block must be in 2..block_size ({self.block_size}), got {self.eval_block}")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise ValueError("kd_weight must be in [0, 1]")
+        if self.seqs_per_step < 1 or self.steps < 1:
+            raise ValueError("seqs_per_step and steps must be >= 1")
+
+
+def valid_anchors(seq: TeacherSequence, max_len: int) -> np.ndarray:
+    """Positions p (>= 1) whose token and next token are both response tokens -> [M] int64."""
+    m = np.asarray(seq.loss_mask[:max_len], dtype=bool)
+    ok = m[:-1] & m[1:]
+    ok[0] = False  # a block needs at least one context row
+    return np.nonzero(ok)[0].astype(np.int64)
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # [S, L, K*H] bf16
+    ctx_len: torch.Tensor  # [S]
+    anchors: torch.Tensor  # [S, N]
+    block_ids: torch.Tensor  # [S, N*B] anchor token then mask ids
+    labels: torch.Tensor  # [S, N*B] target greedy token (target vocabulary) or IGNORE
+    kd_pos: torch.Tensor  # [S, N*B] the position whose top-k distribution labels the row (or -1)
+    offsets: torch.Tensor  # [S, N*B] k = row offset in its block
+    topk_ids: torch.Tensor | None  # [S, N*B, k]
+    topk_logits: torch.Tensor | None  # [S, N*B, k]
+
+    @property
+    def rows(self) -> int:
+        return int(self.block_ids.numel())
+
+
+def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], block: int, mask_id: int,
+               cols: np.ndarray, max_len: int, with_topk: bool) -> Batch:
+    """Pad S sequences and their anchor lists into one batch. Row (j, k) of a block at anchor p is labelled with
+    greedy[p + k - 1], the target's own choice for position p + k after the true prefix (teacher-forced)."""
+    s = len(seqs)
+    lens = [min(len(q), max_len) for q in seqs]
+    seq_len, n = max(lens), max(1, max(len(a) for a in anchor_lists))
+    kh = len(cols)
+    feats = torch.zeros(s, seq_len, kh, dtype=torch.bfloat16)
+    anchors = torch.ones(s, n, dtype=torch.long)
+    labels = torch.full((s, n * block), IGNORE, dtype=torch.long)
+    kd_pos = torch.full((s, n * block), -1, dtype=torch.long)
+    block_ids = torch.full((s, n * block), mask_id, dtype=torch.long)
+    k = torch.arange(block)
+    offsets = k.repeat(n).unsqueeze(0).expand(s, -1).contiguous()
+    topk = seqs[0].topk_ids.shape[1]
+    tk_ids = torch.zeros(s, n * block, topk, dtype=torch.long) if with_topk else None
+    tk_lg = torch.zeros(s, n * block, topk, dtype=torch.float32) if with_topk else None
+    for i, (q, a) in enumerate(zip(seqs, anchor_lists)):
+        L = lens[i]
+        feats[i, :L] = feats_tensor(q, cols if len(cols) < q.feats.shape[1] else None)[:L]
+        if len(a) == 0:
+            continue
+        at = torch.from_numpy(a)
+        anchors[i, : len(a)] = at
+        tokens = torch.from_numpy(np.asarray(q.tokens[:L], dtype=np.int64))
+        greedy = torch.from_numpy(np.asarray(q.greedy[:L], dtype=np.int64))
+        mask = torch.from_numpy(np.asarray(q.loss_mask[:L], dtype=bool))
+        pos = (at[:, None] + k).reshape(-1)  # [n_i * B]
+        rows = slice(0, len(a) * block)
+        inside = pos < L
+        safe = pos.clamp(max=L - 1)
+        offs = offsets[i, rows]
+        ok = inside & mask[safe] & (offs > 0)
+        labels[i, rows] = torch.where(ok, greedy[(safe - 1).clamp_min(0)], torch.full_like(pos, IGNORE))
+        kd_pos[i, rows] = torch.where(ok, safe - 1, torch.full_like(pos, -1))
+        block_ids[i, rows] = torch.where(offs == 0, tokens[safe], torch.full_like(pos, mask_id))
+        if with_topk:
+            src = (safe - 1).clamp_min(0).numpy()
+            tk_ids[i, rows] = torch.from_numpy(np.asarray(q.topk_ids[src], dtype=np.int64))
+            tk_lg[i, rows] = torch.from_numpy(np.asarray(q.topk_logits[src], dtype=np.float32))
+    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg)
+
+
+class DraftHead:
+    """The target's frozen LM-head rows of the draft vocabulary and the target-id -> draft-id map."""
+
+    def __init__(self, target, draft: DFlashDraftModel) -> None:
+        v = target.vocab_size
+        ids = draft.vocab_ids
+        self.ids = torch.arange(v) if ids is None else ids.cpu()
+        self.weight = target.lm_head.weight.detach()[self.ids]  # [Vd, H]
+        self.map = torch.full((v,), -1, dtype=torch.long)
+        self.map[self.ids] = torch.arange(self.ids.numel())
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight.to(hidden.dtype))
+
+
+def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, cfg: FastConfig):
+    """-> (loss, correct [B], counted [B]) of one batch (position-1 accuracy etc. on the training rows)."""
+    block = cfg.train_block
+    with torch.no_grad():
+        embeds = target.embed(batch.block_ids)
+    hidden = block_forward(draft, batch.features, batch.ctx_len, embeds, batch.anchors, block)
+    valid = batch.labels >= 0
+    h = hidden[valid]
+    lab = head.map[batch.labels[valid]]  # -1 where the greedy token is outside the draft vocabulary
+    offs = batch.offsets[valid]
+    w = torch.exp(-(offs.float() - 1) / cfg.gamma)
+    logits = head.logits(h).float()  # [R, Vd]
+    ce = F.cross_entropy(logits, lab.clamp_min(0), reduction="none") * (lab >= 0)
+    loss_rows = ce
+    if cfg.kd_weight > 0:
+        tk_ids = head.map[batch.topk_ids[valid]]  # [R, k] draft ids or -1
+        tk_lg = batch.topk_logits[valid].masked_fill(tk_ids < 0, float("-inf"))
+        p = torch.softmax(tk_lg, -1).nan_to_num(0.0)
+        dense = torch.zeros_like(logits).scatter_add_(1, tk_ids.clamp_min(0), p * (tk_ids >= 0))
+        loss_rows = (1 - cfg.kd_weight) * ce + cfg.kd_weight * soft_cross_entropy(logits, dense)
+    loss = (loss_rows * w).sum() / w.sum().clamp_min(1e-8)
+    hit = (logits.argmax(-1) == lab) & (lab >= 0)
+    correct = torch.zeros(block, dtype=torch.long).index_add_(0, offs, hit.long())
+    counted = torch.zeros(block, dtype=torch.long).index_add_(0, offs, torch.ones_like(offs))
+    return loss, correct, counted
+
+
+@torch.no_grad()
+def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence],
+             anchor_lists: list[np.ndarray], cols: np.ndarray, max_len: int, batch_seqs: int = 8,
+             block: int | None = None) -> dict:
+    """Held-out top-1 accuracy per block position (teacher-forced: the draft's argmax vs the target's greedy token)
+    and the tau it implies for decode block sizes 2, 4, 8, 16: 1 + mean over blocks of the number of leading rows
+    the draft got right (what greedy verification would accept), capped at b - 1. block: rows per evaluated
+    block (default: the draft's block size)."""
+    block = block or draft.config.block_size
+    was = draft.training
+    draft.eval()
+    correct = torch.zeros(block, dtype=torch.long)
+    counted = torch.zeros(block, dtype=torch.long)
+    prefix_lens = []
+    for s in range(0, len(seqs), batch_seqs):
+        b = make_batch(seqs[s:s + batch_seqs], anchor_lists[s:s + batch_seqs], block, draft.mask_token_id, cols,
+                       max_len, with_topk=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            embeds = target.embed(b.block_ids)
+            hidden = block_forward(draft, b.features, b.ctx_len, embeds, b.anchors, block)
+            pred = head.ids[head.logits(hidden).float().argmax(-1)]  # [S, N*B] target ids
+        hit = (pred == b.labels)
+        valid = b.labels >= 0
+        correct += torch.zeros(block, dtype=torch.long).index_add_(0, b.offsets[valid], hit[valid].long())
+        counted += torch.zeros(block, dtype=torch.long).index_add_(0, b.offsets[valid], valid[valid].long())
+        # accepted prefix per block: rows 1.. while hit (an unlabelled row ends the block: the response ended)
+        hb = (hit & valid).view(hit.shape[0], -1, block)[:, :, 1:]
+        real = torch.zeros(hit.shape[0], hb.shape[1], dtype=torch.bool)
+        for i, a in enumerate(anchor_lists[s:s + batch_seqs]):
+            real[i, : len(a)] = True
+        run = hb.long().cumprod(-1)  # [S, N, B-1]
+        prefix_lens.append(run[real])
+    draft.train(was)
+    runs = torch.cat(prefix_lens) if prefix_lens else torch.zeros(0, block - 1, dtype=torch.long)
+    acc = (correct.float() / counted.clamp_min(1).float()).tolist()
+    out = {"acc": [round(x, 4) for x in acc[1:]], "blocks": int(runs.shape[0])}
+    for bsz in (2, 4, 8, 16):
+        if bsz <= block:
+            out[f"tau{bsz}"] = round(1.0 + float(runs[:, : bsz - 1].sum(-1).float().mean()), 4)
+    return out
+
+
+def lr_at(step: int, cfg: FastConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    prog = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def frequent_greedy_tokens(cache: TeacherCache, n: int, vocab_size: int, always=()) -> torch.Tensor:
+    """The n most frequent target-greedy labels of response positions (what the draft must propose) -> sorted [n]."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for q in cache.sequences:
+        m = np.asarray(q.loss_mask, dtype=bool)
+        lab = np.asarray(q.greedy, dtype=np.int64)[:-1][m[1:]]
+        counts += np.bincount(lab, minlength=vocab_size)[:vocab_size]
+    score = torch.from_numpy(counts).double()
+    score[list(always)] = float("inf")
+    return score.topk(n).indices.sort().values
+
+
+def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache) -> DFlashDraftModel:
+    from ..loading import default_mask_token_id
+
+    if cfg.init not in ("target", "target-identity", "random"):
+        draft = DFlashDraftModel.from_pretrained(cfg.init, dtype=torch.float32)
+        if draft.config.target_layer_ids != list(cfg.layer_ids):
+            raise ValueError(f"{cfg.init} reads layers {draft.config.target_layer_ids}, the run asks for "
+                             f"{list(cfg.layer_ids)}")
+        return draft.train()
+    torch.manual_seed(cfg.seed)
+    dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
+                                    mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
+                                    else default_mask_token_id(target.tokenizer, target.vocab_size),
+                                    target_layer_ids=list(cfg.layer_ids), draft_vocab_size=cfg.draft_vocab_size)
+    draft = DFlashDraftModel(dcfg).float().init_from_target(target)
+    if cfg.init in ("target", "target-identity"):
+        draft.init_layers_from_target(target)
+    if cfg.init == "target-identity":
+        # the copied layers' output maps start at zero: every layer starts as the identity on the residual stream,
+        # so the first logits are the head applied to the normed input embeddings (a loss near unigram level)
+        # instead of deep-layer updates applied to an embedding-scale stream (~18 nats, gradient norms ~500)
+        with torch.no_grad():
+            for layer in draft.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    if dcfg.draft_vocab_size is not None:
+        draft.set_draft_vocab(frequent_greedy_tokens(cache, dcfg.draft_vocab_size, target.vocab_size,
+                                                     target.eos_token_ids))
+    return draft.train()
+
+
+def _save_state(out: Path, draft, opt, state: dict) -> None:
+    tmp = out / "state.pt.tmp"
+    torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+    os.replace(tmp, out / "state.pt")
+
+
+def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
+    """Train (or resume) a draft from teacher caches; writes out_dir/{curve.jsonl, state.pt, draft/} and returns
+    the last evaluation."""
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache, held = TeacherCache(cfg.cache), TeacherCache(cfg.heldout_cache)
+    cols = cache.columns(cfg.layer_ids)
+    hcols = held.columns(cfg.layer_ids)
+    if list(cols) != list(hcols):
+        raise ValueError("training and held-out caches store their layers in different orders")
+    draft = make_fast_draft(cfg, target, cache)
+    if draft.config.block_size != cfg.block_size:
+        raise ValueError(f"draft block size {draft.config.block_size} != --block-size {cfg.block_size}")
+    head = DraftHead(target, draft)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    state = {"step": 0, "train_seconds": 0.0, "rows": 0, "config": asdict(cfg)}
+    curve_path = out / "curve.jsonl"
+    if resume and (out / "state.pt").is_file():
+        blob = torch.load(out / "state.pt", weights_only=False)
+        draft.load_state_dict(blob["draft"])
+        opt.load_state_dict(blob["opt"])
+        state = blob["state"]
+        if curve_path.is_file():  # drop entries written after the checkpoint (they are written again)
+            lines = [ln for ln in curve_path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in lines if json.loads(ln)["step"] <= state["step"]]
+            curve_path.write_text("".join(ln + "\n" for ln in kept))
+        log.info("resumed at step %d (%.1f min of training)", state["step"], state["train_seconds"] / 60)
+    elif curve_path.exists():
+        curve_path.unlink()
+    train_seqs = [q for q in cache.sequences if len(valid_anchors(q, cfg.max_len))]
+    g = np.random.default_rng(cfg.seed + 1)
+    held_seqs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
+    held_anchors = []
+    for q in held_seqs:
+        a = valid_anchors(q, cfg.max_len)
+        held_anchors.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
+
+    def log_eval(extra: dict) -> dict:
+        ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block)
+        entry = {"step": state["step"], "minutes": round(state["train_seconds"] / 60, 3), "rows": state["rows"],
+                 **extra, **ev}
+        with open(curve_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        log.info("step %d  %.1f min  rows %d  held-out acc@1..4 %s  tau4 %.3f  %s", state["step"],
+                 entry["minutes"], state["rows"], ev["acc"][:4], ev.get("tau4", float("nan")),
+                 {k: v for k, v in extra.items()})
+        return entry
+
+    if state["step"] == 0:
+        last = log_eval({})
+    window = {"loss": 0.0, "correct": torch.zeros(cfg.train_block), "counted": torch.zeros(cfg.train_block), "n": 0}
+    last = None
+    while state["step"] < cfg.steps:
+        if cfg.minutes and state["train_seconds"] >= cfg.minutes * 60:
+            break
+        step = state["step"]
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([cfg.seed, step])
+        picks = rng.choice(len(train_seqs), size=min(cfg.seqs_per_step, len(train_seqs)), replace=False)
+        seqs = [train_seqs[i] for i in picks]
+        anchor_lists = []
+        for q in seqs:
+            a = valid_anchors(q, cfg.max_len)
+            if cfg.anchors and len(a) > cfg.anchors:
+                a = np.sort(rng.choice(a, size=cfg.anchors, replace=False))
+            anchor_lists.append(a)
+        batch = make_batch(seqs, anchor_lists, cfg.train_block, draft.mask_token_id, cols, cfg.max_len,
+                           with_topk=cfg.kd_weight > 0)
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, correct, counted = batch_loss(draft, target, head, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        state["train_seconds"] += time.perf_counter() - t0
+        state["rows"] += batch.rows
+        state["step"] = step + 1
+        window["loss"] += float(loss.detach())
+        window["correct"] += correct
+        window["counted"] += counted
+        window["n"] += 1
+        if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+            tr = (window["correct"] / window["counted"].clamp_min(1))[1:5].tolist()
+            last = log_eval({"loss": round(window["loss"] / window["n"], 4), "train_acc": [round(x, 4) for x in tr],
+                             "grad_norm": round(float(gnorm), 3),
+                             "rows_per_s": round(state["rows"] / max(1e-9, state["train_seconds"]), 1)})
+            window = {"loss": 0.0, "correct": torch.zeros(cfg.train_block), "counted": torch.zeros(cfg.train_block),
+                      "n": 0}
+        if state["step"] % cfg.save_every == 0:
+            _save_state(out, draft, opt, state)
+    _save_state(out, draft, opt, state)
+    if last is None or last["step"] != state["step"]:
+        last = log_eval({"rows_per_s": round(state["rows"] / max(1e-9, state["train_seconds"]), 1)})
+    draft.config.extra.update({"trained_with": "blockdraft train-fast", "steps": state["step"],
+                               "train_minutes": round(state["train_seconds"] / 60, 2)})
+    draft.save_pretrained(out / "draft")
+    return last

@@ -1,0 +1,174 @@
+"""The CPU-fast training path (train/teacher.py, train/blockattn.py, train/fast.py) on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from blockdraft.target import TargetModel
+from blockdraft.train.blockattn import block_forward
+from blockdraft.train.blocks import block_attention_mask
+from blockdraft.train.fast import FastConfig, evaluate, make_batch, train_fast, valid_anchors, DraftHead
+from blockdraft.train.teacher import TeacherCache, build_teacher_cache
+from blockdraft.train.trainer import TrainModule
+
+from conftest import MASK_ID, VOCAB, ToyTokenizer, seeded, tiny_draft, tiny_llama
+
+
+def _records(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = int(torch.randint(3, 8, (1,), generator=g))
+        resp = int(torch.randint(10, 30, (1,), generator=g))
+        ids = torch.randint(0, VOCAB - 2, (prompt + resp,), generator=g).tolist()
+        out.append({"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * resp})
+    return out
+
+
+@pytest.fixture
+def tiny_target() -> TargetModel:
+    return TargetModel(tiny_llama(layers=5), ToyTokenizer())
+
+
+def test_block_forward_matches_dense_mask_reference(tiny_target):
+    """The factorised block attention equals the dense-mask training forward, sequence by sequence, including a
+    padded batch (sequences and anchor lists of different lengths). fp32; tolerance 1e-4 because the two paths sum
+    the softmax in different orders."""
+    draft = tiny_draft(tiny_target, layers=2, block_size=4).float()
+    block = 4
+    g = torch.Generator().manual_seed(3)
+    lens, anchor_lists = [17, 11], [torch.tensor([2, 5, 9, 14]), torch.tensor([1, 6, 10])]
+    feats = [torch.randn(1, L, 3 * 48, generator=g) for L in lens]
+    block_ids = []
+    refs = []
+    for f, a in zip(feats, anchor_lists):
+        ids = torch.randint(0, VOCAB - 2, (a.numel() * block,), generator=g)
+        ids.view(-1, block)[:, 1:] = MASK_ID
+        block_ids.append(ids)
+        emb = tiny_target.embed(ids.unsqueeze(0))
+        pos = (a[:, None] + torch.arange(block)).reshape(1, -1)
+        mask = block_attention_mask(a, block, f.shape[1])[None, None]
+        refs.append(TrainModule(draft)(f, emb, pos, mask))
+    s, n, L = 2, 4, max(lens)
+    fb = torch.zeros(s, L, 3 * 48)
+    ab = torch.ones(s, n, dtype=torch.long)
+    eb = torch.zeros(s, n * block, 48)
+    for i in range(s):
+        fb[i, : lens[i]] = feats[i][0]
+        ab[i, : anchor_lists[i].numel()] = anchor_lists[i]
+        eb[i, : block_ids[i].numel()] = tiny_target.embed(block_ids[i].unsqueeze(0))[0]
+    out = block_forward(draft, fb, torch.tensor(lens), eb, ab, block)
+    for i in range(s):
+        rows = anchor_lists[i].numel() * block
+        torch.testing.assert_close(out[i, :rows], refs[i], atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_cache_roundtrip_resume_and_spec_check(tiny_target, tmp_path):
+    recs = _records(5, seed=0)
+    out = tmp_path / "tc"
+    build_teacher_cache(tiny_target, recs[:3], out, [1, 3], topk=4, chunk_records=2)
+    build_teacher_cache(tiny_target, recs, out, [1, 3], topk=4, chunk_records=2)  # resumes after record 3
+    cache = TeacherCache(out)
+    assert [q.id for q in cache.sequences] == [r["id"] for r in recs]
+    tiny_target.set_layer_ids([1, 3])
+    for q, r in zip(cache.sequences, recs):
+        ids = torch.tensor(r["input_ids"]).unsqueeze(0)
+        hidden, feats = tiny_target.hidden(ids, None, tap=True)
+        logits = tiny_target.logits(hidden)[0]
+        assert q.tokens.tolist() == r["input_ids"] and q.loss_mask.tolist() == r["loss_mask"]
+        assert q.greedy.tolist() == logits.argmax(-1).tolist()
+        stored = torch.from_numpy(np.array(q.feats).view(np.int16)).view(torch.bfloat16).float()
+        torch.testing.assert_close(stored, feats[0].to(torch.bfloat16).float())  # bf16 storage: exact after rounding
+    assert cache.columns([3]).tolist() == list(range(48, 96))
+    with pytest.raises(ValueError, match="asks for"):
+        build_teacher_cache(tiny_target, recs, out, [1, 2], topk=4)
+    with pytest.raises(ValueError, match="not \\[4\\]"):
+        cache.columns([4])
+    (out / "manifest.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        TeacherCache(out)
+
+
+def test_batch_labels_are_teacher_forced_greedy_tokens(tiny_target, tmp_path):
+    recs = _records(2, seed=1)
+    build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)
+    cache = TeacherCache(tmp_path / "tc")
+    q = cache.sequences[0]
+    a = valid_anchors(q, 512)
+    assert a.min() >= 1 and all(q.loss_mask[p] and q.loss_mask[p + 1] for p in a)
+    b = make_batch([q], [a[:3]], 4, MASK_ID, cache.columns([1, 3]), 512, with_topk=True)
+    L = len(q)
+    for j, p in enumerate(a[:3].tolist()):
+        assert b.block_ids[0, j * 4] == q.tokens[p] and (b.block_ids[0, j * 4 + 1: j * 4 + 4] == MASK_ID).all()
+        for k in range(1, 4):
+            want = int(q.greedy[p + k - 1]) if p + k < L and q.loss_mask[p + k] else -100
+            assert int(b.labels[0, j * 4 + k]) == want
+            if want >= 0:
+                assert b.topk_ids[0, j * 4 + k].tolist() == q.topk_ids[p + k - 1].tolist()
+
+
+def _fast_cfg(tmp_path, **kw) -> FastConfig:
+    base = dict(cache=str(tmp_path / "tc"), heldout_cache=str(tmp_path / "held"), out_dir=str(tmp_path / "run"),
+                layer_ids=[1, 3], num_layers=2, init="random", block_size=4, anchors=6, seqs_per_step=2, steps=6,
+                lr=3e-3, warmup=2, draft_vocab_size=40, eval_every=3, save_every=3, eval_seqs=3, eval_anchors=4,
+                threads=1, kd_weight=0.5, mask_token_id=MASK_ID)
+    base.update(kw)
+    return FastConfig(**base)
+
+
+def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_target, tmp_path):
+    recs = _records(8, seed=2)
+    build_teacher_cache(tiny_target, recs[:6], tmp_path / "tc", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs[6:], tmp_path / "held", [1, 3], topk=4)
+    with seeded(0):
+        train_fast(_fast_cfg(tmp_path), tiny_target)
+    full = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    curve = [json.loads(x) for x in (tmp_path / "run" / "curve.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == [0, 3, 6] and all(len(c["acc"]) == 3 for c in curve)
+    # a run stopped after 3 steps and resumed gives the same weights as the uninterrupted one
+    with seeded(0):
+        train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2"), steps=6, minutes=1e-9), tiny_target)
+    with seeded(0):
+        train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2")), tiny_target, resume=True)
+    part = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)
+    assert part["state"]["step"] == 6
+    for k, v in full["draft"].items():
+        torch.testing.assert_close(part["draft"][k], v, atol=0, rtol=0)
+    from blockdraft.draft import DFlashDraftModel
+
+    d = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft")
+    assert d.config.target_layer_ids == [1, 3] and d.config.draft_vocab_size == 40
+
+
+def test_evaluate_implied_tau_matches_a_naive_count(tiny_target, tmp_path):
+    """evaluate()'s tau is 1 + the mean accepted-prefix length, recomputed here row by row with a plain loop."""
+    recs = _records(3, seed=4)
+    build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)
+    cache = TeacherCache(tmp_path / "tc")
+    cfg = _fast_cfg(tmp_path, draft_vocab_size=VOCAB)
+    from blockdraft.train.fast import make_fast_draft
+
+    with seeded(5):
+        draft = make_fast_draft(cfg, tiny_target, cache)
+    head = DraftHead(tiny_target, draft)
+    cols = cache.columns([1, 3])
+    anchors = [valid_anchors(q, 512)[:5] for q in cache.sequences]
+    ev = evaluate(draft, tiny_target, head, cache.sequences, anchors, cols, 512)
+    accepted = []
+    for q, a in zip(cache.sequences, anchors):
+        b = make_batch([q], [a], 4, MASK_ID, cols, 512, with_topk=False)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            h = block_forward(draft, b.features, b.ctx_len, tiny_target.embed(b.block_ids), b.anchors, 4)
+            pred = head.ids[head.logits(h).float().argmax(-1)][0]
+        for j in range(len(a)):
+            n = 0
+            for k in range(1, 4):
+                if b.labels[0, j * 4 + k] < 0 or pred[j * 4 + k] != b.labels[0, j * 4 + k]:
+                    break
+                n += 1
+            accepted.append(n)
+    assert ev["tau4"] == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-4)
