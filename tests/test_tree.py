@@ -267,3 +267,18 @@ def test_monotone_fit_pools_decreasing_runs():
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     cost = measure_verify_cost(TargetModel(tiny_llama(layers=2)), max_width=20, context=5, reps=1)
     assert all(a <= b for a, b in zip(cost.seconds, cost.seconds[1:]))
+
+
+def test_rejection_verify_tree_takes_rows_on_demand():
+    """A function node -> probs gives the same draws as the full [N, V] tensor, and is asked for the rows of the
+    accepted path only, once each."""
+    tree = _tree([ROOT, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 4], q=torch.full((3, V), 1.0 / V))
+    probs = torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(5)) * 2, -1)
+    paths = set()
+    for seed in range(30):
+        asked: list[int] = []
+        a = rejection_verify_tree(tree, probs, torch.Generator().manual_seed(seed))
+        b = rejection_verify_tree(tree, lambda i: asked.append(i) or probs[i], torch.Generator().manual_seed(seed))
+        assert a == b and asked == a[0]
+        paths.add(tuple(a[0]))
+    assert len(paths) > 1, "the seeds reach more than one path"

@@ -301,7 +301,8 @@ class SpeculativeEngine:
         if sampling.greedy:
             path, committed = greedy_verify_tree(tree, out.logits[0])
         else:
-            path, committed = rejection_verify_tree(tree, logits_to_probs(out.logits[0], sampling), generator)
+            rows = out.logits[0]
+            path, committed = rejection_verify_tree(tree, lambda i: logits_to_probs(rows[i], sampling), generator)
         keep = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
         cache.compact(n - 1, keep)
         self.proposer.accept_tree(tree, path, out.features[:, keep] if tap else None)
