@@ -28,7 +28,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="a tree with prompt-lookup continuations as extra branches (implies --tree)")
     p.add_argument("--tree-budget", type=int, default=None,
                    help="candidate nodes per tree (default: chosen per step from a measured verify-cost curve, "
-                        "cached in ~/.cache/blockdraft/calibration)")
+                        "cached in ~/.cache/blockdraft/calibration; fix it for exactly repeatable seeded sampling)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,9 @@ verify_cost(1 + lookup nodes + draft nodes)), where G and the number of draft no
 earlier steps of this generation that had both (G = the summed scores of the draft's nodes). When the draft cannot
 pay for itself (a long, reliable copy), the step verifies the lookup branches alone; the draft's context is still
 extended with every accepted token, so the next step can use it again.
+
+Both choices read measured times, so with a chosen budget a seeded sampling run is reproducible only as far as the
+timings repeat (the output distribution is exact either way); a fixed `budget` makes seeded runs repeat exactly.
 """
 
 from __future__ import annotations
