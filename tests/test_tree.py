@@ -223,8 +223,11 @@ def test_tree_rejection_sampling_is_lossless_over_two_tokens():
 # ------------------------------------------------------------------------------------------------ lookup
 def test_find_continuations_returns_distinct_branches_most_recent_first():
     toks = torch.tensor([5, 1, 2, 9, 5, 1, 3, 4, 7, 5, 1])
-    assert find_continuations(toks, 3, max_ngram=2, max_branches=3) == [[3, 4, 7], [2, 9, 5]]
-    assert find_continuations(toks, 3, max_ngram=2, max_branches=1) == [[3, 4, 7]]
+    # "5 1" occurred twice before; then the 1-gram "1" adds nothing new (its matches are the same two places)
+    assert find_continuations(toks, 3, max_ngram=2, max_branches=3) == [([3, 4, 7], 2), ([2, 9, 5], 2)]
+    assert find_continuations(toks, 3, max_ngram=2, max_branches=1) == [([3, 4, 7], 2)]
+    toks = torch.tensor([8, 1, 6, 5, 1])  # "5 1" is new: the 1-gram "1" matches, at position 1
+    assert find_continuations(toks, 2, max_ngram=3) == [([6, 5], 1)]
     assert find_continuations(torch.tensor([1, 2, 3]), 4) == []
 
 

