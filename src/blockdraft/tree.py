@@ -156,12 +156,13 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
         deepest = min(deepest, max_depth)
     # the top-k+len(lookups) tokens of each depth: enough to skip the lookup tokens and still have k left
     k_need = min(top_k + len(lookups), 0 if q is None else q.shape[1])
-    top_p: list[list[float]] = []
-    top_t: list[list[int]] = []
+    best_p: list[list[float]] = []  # [depth - 1][rank]: the draft's most probable tokens and their probabilities
+    best_t: list[list[int]] = []
+    support: list[int] = []  # tokens with q > 0 per depth: a sampled slot can only be filled while some are left
     if q is not None and k_need > 0:
         vals, idx = q[:deepest].float().topk(k_need, dim=-1)
-        top_p, top_t = vals.tolist(), idx.tolist()
-        support = (q[:deepest] > 0).sum(-1).tolist()  # a slot can only be filled while q has tokens left
+        best_p, best_t = vals.tolist(), idx.tolist()
+        support = (q[:deepest] > 0).sum(-1).tolist()
 
     nodes = [_Node(-1, 0, root, False, 1.0, frozenset(range(len(lookups))))]
     heap: list[tuple[float, int, _Node]] = []
@@ -187,12 +188,12 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
             child = _Node(i, d, tok, True, node.score * conf, frozenset(br))
             heapq.heappush(heap, (-child.score, counter, child))
             counter += 1
-        if qd is None or top_k == 0 or not top_p:
+        if qd is None or top_k == 0 or not best_p:
             return
         if sample:
             # slot r stands for the r-th draw without replacement from q minus the lookup tokens; its score uses
             # the r-th largest remaining probability (a shape heuristic: it never looks at what is drawn)
-            rest = [p for p, t in zip(top_p[d - 1], top_t[d - 1]) if t not in lk]
+            rest = [p for p, t in zip(best_p[d - 1], best_t[d - 1]) if t not in lk]
             n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if float(qd[t]) > 0))
             for r in range(min(n_slots, len(rest))):
                 child = _Node(i, d, None, False, node.score * rest[r], frozenset())
@@ -200,8 +201,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
                 counter += 1
         else:
             kept = 0
-            for p, t in zip(top_p[d - 1], top_t[d - 1]):
-                if kept == top_k:
+            for p, t in zip(best_p[d - 1], best_t[d - 1]):
+                if kept == top_k or p <= 0:  # a token the draft rules out is not worth a node
                     break
                 if t in lk:  # merged with the lookup child above
                     continue
