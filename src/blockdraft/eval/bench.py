@@ -215,7 +215,7 @@ class _Runner:
                 "decode_tokens_per_s": s.decode_tokens_per_s, "e2e_seconds": e2e,
                 "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                 "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
-                "tree_nodes": list(s.tree_nodes) if s.tree is not None else None}
+                "tree_nodes": list(s.tree_nodes) if s.tree is not None else None, "tree": s.tree}
 
 
 def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, engines: dict, block_sizes: dict,
@@ -564,6 +564,8 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
     if rs[0].get("tree_nodes") is not None:  # tree methods: candidate nodes verified per step (root excluded)
         nodes = [x for r in rs for x in r["tree_nodes"]]
         row["tree_nodes_mean"] = sum(nodes) / len(nodes) if nodes else None
+        skips = [r["tree"]["draft_skips"] for r in rs if "draft_skips" in (r.get("tree") or {})]
+        row["draft_skip_share"] = sum(skips) / len(nodes) if skips and nodes else None
     if rs[0]["accept_lengths"] is not None:
         # where a verify step's time goes: drafting, the target's verify forward (+ acceptance, cache crop and the
         # draft's context update), and the rest of the loop (stop checks, detokenisation, Python)
@@ -661,10 +663,11 @@ def render_report(results: dict) -> str:
         trows = [r for r in block["rows"] if r.get("tree_nodes_mean") is not None]
         if trows:
             lines += [f"### Tree verification (T={tkey})", "",
-                      "Candidate nodes verified per step (the root excluded) and tokens committed per step.", "",
-                      "| task | method | nodes per step | tau |", "|---|---|---:|---:|"]
-            lines += [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} |"
-                      for r in trows]
+                      "Candidate nodes verified per step (the root excluded), tokens committed per step, and the "
+                      "share of steps that verified lookup branches without running the draft.", "",
+                      "| task | method | nodes per step | tau | draft skipped |", "|---|---|---:|---:|---:|"]
+            lines += [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} | "
+                      f"{_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows]
             lines.append("")
         for meth in DRAFTING_METHODS:
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
