@@ -29,6 +29,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
                    help="candidate nodes per tree (default: chosen per step from a measured verify-cost curve, "
                         "cached in ~/.cache/blockdraft/calibration; fix it for exactly repeatable seeded sampling)")
+    p.add_argument("--tree-recalibrate", action="store_true",
+                   help="measure the verify-cost curve again (e.g. it was cached while the machine was busy)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +57,7 @@ def _load(args):
     draft = resolve_draft(args.draft, src.name)
     if args.tree or args.tree_lookup:
         engine = build_tree_engine(target, draft, lookup=args.tree_lookup, budget=args.tree_budget,
-                                   block_size=args.block_size)
+                                   block_size=args.block_size, recalibrate=args.tree_recalibrate)
     else:
         engine = build_engine(target, draft, args.block_size, args.denoise_steps)
     log.info("target=%s draft=%s dtype=%s %s %s", src.name, draft or "none", args.dtype, gen_cfg, sampling)
