@@ -37,9 +37,10 @@ test-slow: setup
 # Optional: llama.cpp as the bench's external reference. Two builds from one pinned llama-cpp-python sdist, so that
 # both run the same llama.cpp: the Python bindings (`--methods ...,llamacpp,llamacpp-bf16`) and llama.cpp's own tools
 # from the sdist's vendored tree (llama-server for `llamacpp-dflash`: our DFlash drafts in llama.cpp's DFlash), put
-# in $(LLAMACPP_BIN), where the bench looks. ~20 min on 2 cores in all. ggml's AMX kernels die with SIGILL on the
-# first decode on this project's CPUs, so they are compiled out; --no-cache-dir so that a cached wheel built with
-# them is never reused. The tools build needs no network (no web UI download, no TLS). Never part of `make test`.
+# in $(LLAMACPP_BIN), where the bench looks. 21 + 22 min on 2 busy cores (nice 19). ggml's AMX kernels die with
+# SIGILL on the first decode on this project's CPUs, so they are compiled out; --no-cache-dir so that a cached wheel
+# built with them is never reused; a second `make llamacpp` skips what is built. The tools build needs no network
+# (no web UI download, no TLS). Never part of `make test`.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMACPP_SDIST := cache/llamacpp/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
@@ -52,7 +53,8 @@ llamacpp: setup
 	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary :all: \
 		'llama-cpp-python==$(LLAMACPP_VERSION)' -d cache/llamacpp
 	test -d $(LLAMACPP_SRC) || tar xzf $(LLAMACPP_SDIST) -C cache/llamacpp
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)'" \
+	$(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMACPP_VERSION)')" 2>/dev/null || \
+		CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)'" \
 		$(PIP) install --no-cache-dir $(LLAMACPP_SDIST)
 	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 		-DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)' -DBUILD_SHARED_LIBS=OFF \

@@ -365,7 +365,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
 
         pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if m == "llamacpp-pld" else None
         external[m] = LlamaCpp(file, cfg.threads or torch.get_num_threads(), min(target.max_context, 4096), pld)
-        notes.append(f"{m}: llama.cpp on {Path(file).name} (its own quantized kernels), "
+        notes.append(f"{m}: llama.cpp on {Path(file).name} (its own kernels), "
                      f"{cfg.threads or torch.get_num_threads()} threads")
     if any(m in methods for m in ("llamacpp-dflash", "llamacpp-dflash-bf16")):
         import torch
