@@ -135,3 +135,30 @@ def test_llamacpp_captures_the_features_our_tap_reads(files):
         # both layers, against 7-120% for the neighbouring layers' outputs
         assert rel(i + 1) < 0.05, (i, rel(i + 1))
         assert rel(i + 1) < 0.5 * min(rel(i), rel(i + 2)), (i, rel(i), rel(i + 1), rel(i + 2))
+
+
+def test_bf16_target_export_holds_the_weights_our_engine_runs():
+    """The bf16 GGUF (dequantized from the packaged Q4_1 file) against the safetensors copy our engine loads, cast to
+    bf16 as the engine does: equal, tensor for tensor (q/k skipped: llama.cpp stores them row-permuted for its rope
+    layout, the rest are the same matrices). Needs no llama.cpp build."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from safetensors import safe_open
+
+    from blockdraft.gguf_export import cached_gguf, target_files
+
+    _, target_dir = target_files(None)
+    reader = GGUFReader(str(cached_gguf(None, None, "bf16")))
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in range(30):
+        for g, h in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.up_proj"),
+                     ("ffn_gate", "mlp.gate_proj"), ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"),
+                     ("ffn_norm", "post_attention_layernorm")):
+            names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
+    tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as st:
+        for g, h in names.items():
+            t = tensors[g]
+            a = np.array(t.data)
+            got = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).float()
+                   if t.tensor_type == GGMLQuantizationType.BF16 else torch.from_numpy(a))
+            assert torch.equal(got, st.get_tensor(h).to(torch.bfloat16).float()), g
