@@ -146,7 +146,7 @@ def test_layer_init_from_target_reproduces_its_values(tiny):
     src = tiny.layers[nl - n]
     h = feats[..., : tiny.hidden_size]
     ref = src.self_attn.v_proj(src.input_layernorm(h)).view(1, 11, -1, cfg.head_dim).transpose(1, 2)
-    torch.testing.assert_close(vs[0], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vs[0], ref, rtol=1e-5, atol=1e-5)  # fp32: stacked projection vs the layer's modules
     with pytest.raises(ValueError, match="layers"):
         DFlashDraftModel(DFlashConfig.from_target(tiny.config, num_hidden_layers=nl + 1, block_size=8,
                                                   mask_token_id=MASK_ID, num_target_features=2)
