@@ -38,7 +38,7 @@ def main() -> int:
             best = 100 * max(c["acc1"] for c in pr[kind])
             for a in ax[:2]:
                 a.axhline(best, color="gray", linestyle=style, label=f"{kind} probe ({best:.1f}%)")
-    ax[0].set(xlabel="training minutes (2 threads, shared machine)", ylabel="held-out position-1 accuracy (%)")
+    ax[0].set(xlabel="training minutes (shared machine; threads in the table)", ylabel="held-out position-1 accuracy (%)")
     ax[1].set(xlabel="block rows seen (millions)", ylabel="held-out position-1 accuracy (%)")
     ax[2].set(xlabel="training minutes", ylabel="implied tau at decode block 4")
     for a in ax:

@@ -172,3 +172,30 @@ def test_evaluate_implied_tau_matches_a_naive_count(tiny_target, tmp_path):
                 n += 1
             accepted.append(n)
     assert ev["tau4"] == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-4)
+
+
+def test_sigterm_stops_after_a_step_checkpoints_and_exports(tiny_target, tmp_path):
+    """SIGTERM during a run: the loop ends after the current step, state.pt and the draft are written, and
+    --resume continues from that step."""
+    import os
+    import signal
+    import threading
+
+    recs = _records(8, seed=6)
+    build_teacher_cache(tiny_target, recs[:6], tmp_path / "tc", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs[6:], tmp_path / "held", [1, 3], topk=4)
+    cfg = _fast_cfg(tmp_path, steps=100_000, eval_every=100_000, save_every=100_000)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with seeded(0):
+            train_fast(cfg, tiny_target)
+    finally:
+        timer.cancel()
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)["state"]
+    assert 0 < state["step"] < 100_000
+    assert (tmp_path / "run" / "draft" / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+    with seeded(0):
+        train_fast(_fast_cfg(tmp_path, steps=state["step"] + 2), tiny_target, resume=True)
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["state"]["step"] == state["step"] + 2

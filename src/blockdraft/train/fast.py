@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -289,6 +290,28 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache) -> DFlashDraft
     return draft.train()
 
 
+class _StopOnSignal:
+    """SIGTERM/SIGINT end the loop after the current step; the run then checkpoints and exports its draft as if it
+    had reached its last step (`--resume` continues it)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("signal %s: stopping after this step", signum)
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 def _save_state(out: Path, draft, opt, state: dict) -> None:
     tmp = out / "state.pt.tmp"
     torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
@@ -349,7 +372,8 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         last = log_eval({})
     window = {"loss": 0.0, "correct": torch.zeros(cfg.train_block), "counted": torch.zeros(cfg.train_block), "n": 0}
     last = None
-    while state["step"] < cfg.steps:
+    stop = _StopOnSignal()
+    while state["step"] < cfg.steps and not stop.requested:
         if cfg.minutes and state["train_seconds"] >= cfg.minutes * 60:
             break
         step = state["step"]
@@ -389,6 +413,7 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
                       "n": 0}
         if state["step"] % cfg.save_every == 0:
             _save_state(out, draft, opt, state)
+    stop.restore()
     _save_state(out, draft, opt, state)
     if last is None or last["step"] != state["step"]:
         last = log_eval({"rows_per_s": round(state["rows"] / max(1e-9, state["train_seconds"]), 1)})
