@@ -102,6 +102,7 @@ def test_batch_labels_are_teacher_forced_greedy_tokens(tiny_target, tmp_path):
     assert a.min() >= 1 and all(q.loss_mask[p] and q.loss_mask[p + 1] for p in a)
     b = make_batch([q], [a[:3]], 4, MASK_ID, cache.columns([1, 3]), 512, with_topk=True)
     L = len(q)
+    assert b.rows == 3 * 4
     for j, p in enumerate(a[:3].tolist()):
         assert b.block_ids[0, j * 4] == q.tokens[p] and (b.block_ids[0, j * 4 + 1: j * 4 + 4] == MASK_ID).all()
         for k in range(1, 4):

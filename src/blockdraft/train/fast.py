@@ -106,10 +106,7 @@ class Batch:
     offsets: torch.Tensor  # [S, N*B] k = row offset in its block
     topk_ids: torch.Tensor | None  # [S, N*B, k]
     topk_logits: torch.Tensor | None  # [S, N*B, k]
-
-    @property
-    def rows(self) -> int:
-        return int(self.block_ids.numel())
+    rows: int  # real block rows (anchors x block), padding excluded; the batch computes S*N*B
 
 
 def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], block: int, mask_id: int,
@@ -153,7 +150,8 @@ def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], bloc
             src = (safe - 1).clamp_min(0).numpy()
             tk_ids[i, rows] = torch.from_numpy(np.asarray(q.topk_ids[src], dtype=np.int64))
             tk_lg[i, rows] = torch.from_numpy(np.asarray(q.topk_logits[src], dtype=np.float32))
-    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg)
+    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg,
+                 rows=sum(len(a) for a in anchor_lists) * block)
 
 
 class DraftHead:
