@@ -125,14 +125,20 @@ def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, sched, state: dict,
     _fault_point("renamed", step)
     _write_text_atomic(root / LATEST, final.name + "\n")
     _fault_point("latest", step)
-    for old in _ckpt_dirs(out)[:-keep_last] if keep_last > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    for junk in root.glob(".tmp-*"):  # left by runs killed mid-write
+    for junk in root.glob(".tmp-*"):  # left by runs killed mid-write or mid-prune
         if junk.is_dir():
             shutil.rmtree(junk, ignore_errors=True)
         else:
             junk.unlink(missing_ok=True)
+    if keep_last > 0:
+        keep = set(_ckpt_dirs(out)[-keep_last:]) | {final}
+        # every other step-* directory goes, complete or not (an older run killed inside rmtree left one without
+        # state.json); renamed first, so that a kill during the delete leaves .tmp-* junk, never a torn step-*
+        for old in sorted(root.glob("step-*")):
+            if old not in keep:
+                doomed = root / f".tmp-del-{old.name}"
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 
