@@ -17,11 +17,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from blockdraft.loading import load_target
-from blockdraft.train.fast import DraftHead, FastConfig, make_fast_draft, train_fast, valid_anchors
+from blockdraft.train.fast import DraftHead, FastConfig, heldout_anchors, make_fast_draft, train_fast, valid_anchors
 from blockdraft.train.probes import probe_samples, train_probe
 from blockdraft.train.teacher import TeacherCache
 
@@ -60,7 +59,8 @@ def main() -> int:
     if args.cmd == "train":
         kw = {f.name: getattr(args, f.name) for f in fields(FastConfig)
               if f.name not in ("layer_ids", "out_dir") and getattr(args, f.name, None) is not None}
-        cfg = FastConfig(cache=kw.pop("cache", f"{CACHE}/train"), heldout_cache=kw.pop("heldout_cache", f"{CACHE}/heldout"),
+        cfg = FastConfig(cache=kw.pop("cache", f"{CACHE}/train"),
+                         heldout_cache=kw.pop("heldout_cache", f"{CACHE}/heldout"),
                          out_dir=args.out, layer_ids=[int(x) for x in args.layer_ids.split(",")], **kw)
         print(json.dumps(train_fast(cfg, target, resume=args.resume)))
         return 0
@@ -70,13 +70,7 @@ def main() -> int:
                      eval_anchors=args.eval_anchors)
     draft = make_fast_draft(cfg, target, cache)  # only for its draft vocabulary (the same one a run would use)
     head = DraftHead(target, draft)
-    # the held-out anchors of a learning curve (fast.train_fast draws them with the same generator)
-    g = np.random.default_rng(cfg.seed + 1)
-    hs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
-    ha = []
-    for q in hs:
-        a = valid_anchors(q, cfg.max_len)
-        ha.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
+    hs, ha = heldout_anchors(held, cfg)  # the anchors a learning curve with these settings scores
     ts = [q for q in cache.sequences if len(valid_anchors(q, cfg.max_len))]
     ta = [valid_anchors(q, cfg.max_len) for q in ts]
     col = cache.columns([args.layer])

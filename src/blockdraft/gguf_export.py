@@ -127,6 +127,18 @@ def _add_float(writer, name: str, t: torch.Tensor, outtype: str) -> None:
         writer.add_tensor(name, t.detach().float().contiguous().numpy())
 
 
+def _write_atomic(w, tmp: Path, out: Path) -> int:
+    """Write the GGUF to `tmp`, then rename it onto `out` (a failed export never leaves a partial file) -> the
+    number of tensors written."""
+    n = len(w.tensors[0])
+    try:
+        _write(w)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
 def _write(writer) -> None:
     """Header, metadata and tensors to a temporary file, then renamed: an interrupted export leaves no stub."""
     writer.write_header_to_file()
@@ -248,13 +260,7 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
             raise ValueError(f"{draft_dir}: d2t does not map to {vocab.numel()} distinct ids below {cfg.vocab_size}")
         w.add_tensor("d2t", vocab.numpy().astype(np.int64))
         _add_float(w, "output.weight", _target_head_rows(target_dir, vocab), outtype)
-    n = len(w.tensors[0])
-    try:
-        _write(w)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return ExportResult(out, n, cfg.draft_vocab_size, layers)
+    return ExportResult(out, _write_atomic(w, tmp, out), cfg.draft_vocab_size, layers)
 
 
 # ----------------------------------------------------------------------------------------------------- targets
@@ -284,13 +290,7 @@ def export_target_gguf(target_gguf: str | Path, out: str | Path, outtype: str = 
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first; numpy wants outermost first
         vals = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
         _add_float(w, t.name, vals.reshape(shape), outtype)
-    n = len(w.tensors[0])
-    try:
-        _write(w)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return ExportResult(out, n, None, None)
+    return ExportResult(out, _write_atomic(w, tmp, out), None, None)
 
 
 # ---------------------------------------------------------------------------------- what the CLI and bench call

@@ -238,6 +238,18 @@ def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
     return out
 
 
+def heldout_anchors(held: TeacherCache, cfg: FastConfig) -> tuple[list[TeacherSequence], list[np.ndarray]]:
+    """The learning curve's fixed held-out set: the first `eval_seqs` sequences with an anchor and `eval_anchors`
+    anchors of each, drawn from a generator seeded by cfg.seed (the reference probes score the same anchors)."""
+    g = np.random.default_rng(cfg.seed + 1)
+    seqs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
+    anchors = []
+    for q in seqs:
+        a = valid_anchors(q, cfg.max_len)
+        anchors.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
+    return seqs, anchors
+
+
 def lr_at(step: int, cfg: FastConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -348,12 +360,7 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
     elif curve_path.exists():
         curve_path.unlink()
     train_seqs = [q for q in cache.sequences if len(valid_anchors(q, cfg.max_len))]
-    g = np.random.default_rng(cfg.seed + 1)
-    held_seqs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
-    held_anchors = []
-    for q in held_seqs:
-        a = valid_anchors(q, cfg.max_len)
-        held_anchors.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
+    held_seqs, held_anchors = heldout_anchors(held, cfg)
 
     def log_eval(extra: dict) -> dict:
         ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block)
