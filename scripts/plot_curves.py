@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Learning curves of fast-training runs (their curve.jsonl) against the reference predictors (probes.json):
-held-out position-1 accuracy and implied tau (decode block 4) vs training minutes and block rows seen.
+held-out position-1 accuracy and implied tau (decode block 4) vs training minutes and block rows seen, and the
+replayed-decoding tau (`walk_tau`) where a run logged it.
 
     .venv/bin/python scripts/plot_curves.py --probes P.json --run NAME=runs/x/curve.jsonl ... --out curves.png
 """
@@ -23,7 +24,7 @@ def main() -> int:
     ap.add_argument("--probes", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, ax = plt.subplots(1, 4, figsize=(22, 4.8))
     for spec in args.run:
         name, path = spec.split("=", 1)
         rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
@@ -32,6 +33,9 @@ def main() -> int:
         ax[0].plot(mins, acc1, marker=".", label=name)
         ax[1].plot([r["rows"] / 1e6 for r in rows], acc1, marker=".", label=name)
         ax[2].plot(mins, [r.get("tau4", float("nan")) for r in rows], marker=".", label=name)
+        walk = [(r["rows"] / 1e6, r["walk_tau"]) for r in rows if "walk_tau" in r]
+        if walk:
+            ax[3].plot(*zip(*walk), marker=".", label=name)
     if args.probes:
         pr = json.loads(Path(args.probes).read_text())
         for kind, style in (("bigram", ":"), ("feature", "--")):
@@ -41,6 +45,7 @@ def main() -> int:
     ax[0].set(xlabel="training minutes (shared machine; threads in the table)", ylabel="held-out position-1 accuracy (%)")
     ax[1].set(xlabel="block rows seen (millions)", ylabel="held-out position-1 accuracy (%)")
     ax[2].set(xlabel="training minutes", ylabel="implied tau at decode block 4")
+    ax[3].set(xlabel="block rows seen (millions)", ylabel="replayed greedy decoding tau (walk, block 4)")
     for a in ax:
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=7)

@@ -5,6 +5,8 @@ Resumable: re-running the same command continues where the previous run stopped 
 deterministically and ids already in the shards are skipped).
 
     nohup .venv/bin/python scripts/regen_default.py > data/work/regen-smollm2.log 2>&1 &
+    # a fresh checkout: start from the committed packed records (data/smollm2-regen) instead of from zero
+    .venv/bin/python scripts/regen_default.py --from-packed data/smollm2-regen --batch-size 64 --threads 2
     .venv/bin/python scripts/regen_default.py --bench      # tokens/s for a few batch sizes, ~1 min each
 """
 
@@ -63,6 +65,25 @@ def bench(args) -> None:
     print("best:", max(results, key=results.get), json.dumps(results))
 
 
+def seed_from_packed(packed: Path, out: Path) -> int:
+    """Write the committed packed records (train-*.npz in order, heldout.npz) as the regeneration's shards, so that
+    a fresh checkout continues the regeneration instead of redoing it. Only into empty shard folders."""
+    from blockdraft.train.records import _ShardWriter, load_packed
+
+    n = 0
+    for sub, files in (("shards", sorted(packed.glob("train-*.npz"))), ("shards-heldout", [packed / "heldout.npz"])):
+        d = out / sub
+        if d.is_dir() and any(d.glob("shard-*.jsonl")):
+            continue  # already seeded or regenerated here: never mix
+        w = _ShardWriter(d, 1000)
+        for f in files:
+            recs = load_packed(f)
+            w.write(recs)
+            n += len(recs)
+        w.close()
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "data" / "work" / "regen-smollm2"))
@@ -76,6 +97,8 @@ def main() -> None:
     ap.add_argument("--heldout-fraction", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (leave cores to others)")
+    ap.add_argument("--from-packed", default=None,
+                    help="seed empty shard folders with these packed records (data/smollm2-regen) first")
     ap.add_argument("--bench", action="store_true", help="measure tokens/s per batch size and exit")
     ap.add_argument("--bench-sizes", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--bench-seconds", type=float, default=60.0)
@@ -86,6 +109,9 @@ def main() -> None:
     if args.bench:
         bench(args)
         return
+    if args.from_packed:
+        logging.info("seeded %d records from %s", seed_from_packed(Path(args.from_packed), Path(args.out)),
+                     args.from_packed)
     out = D.run_regeneration(
         target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, heldout_fraction=args.heldout_fraction,

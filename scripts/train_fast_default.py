@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from blockdraft.loading import load_target
-from blockdraft.train.fast import DraftHead, FastConfig, heldout_anchors, make_fast_draft, train_fast, valid_anchors
+from blockdraft.train.fast import (DraftHead, FastConfig, heldout_anchors, make_fast_draft, parse_bool, train_fast,
+                                   valid_anchors)
 from blockdraft.train.probes import probe_samples, train_probe
 from blockdraft.train.teacher import TeacherCache
 
@@ -35,6 +36,8 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
         elif f.type in ("int", "float", "str") or f.type in (int, float, str):
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             ap.add_argument(name, type=typ, default=None)
+        elif str(f.type) == "bool":
+            ap.add_argument(name, type=parse_bool, default=None)
         elif "None" in str(f.type):
             ap.add_argument(name, type=int, default=None)
 

@@ -100,7 +100,7 @@ def test_batch_labels_are_teacher_forced_greedy_tokens(tiny_target, tmp_path):
     q = cache.sequences[0]
     a = valid_anchors(q, 512)
     assert a.min() >= 1 and all(q.loss_mask[p] and q.loss_mask[p + 1] for p in a)
-    b = make_batch([q], [a[:3]], 4, MASK_ID, cache.columns([1, 3]), 512, with_topk=True)
+    b = make_batch([q], [a[:3]], 4, MASK_ID, cache.columns([1, 3]), 512, with_topk=True, chain=False)
     L = len(q)
     assert b.rows == 3 * 4
     for j, p in enumerate(a[:3].tolist()):
@@ -110,6 +110,56 @@ def test_batch_labels_are_teacher_forced_greedy_tokens(tiny_target, tmp_path):
             assert int(b.labels[0, j * 4 + k]) == want
             if want >= 0:
                 assert b.topk_ids[0, j * 4 + k].tolist() == q.topk_ids[p + k - 1].tolist()
+
+
+def test_chain_labels_keep_only_rows_the_target_would_reach():
+    """With chain labels, row k >= 2 of the block at anchor p keeps its label only if tokens p+1..p+k-1 are the
+    target's own greedy choices; checked against a plain loop on a synthetic sequence where about half the text
+    agrees with the target (random flips from a local generator)."""
+    from blockdraft.train.teacher import TeacherSequence
+
+    g = np.random.default_rng(11)
+    L, block = 40, 5
+    tokens = g.integers(0, VOCAB - 2, L).astype(np.int32)
+    greedy = np.roll(tokens, -1).copy()  # greedy[t] = tokens[t+1]: the text is the target's own ...
+    flip = g.random(L) < 0.4
+    greedy[flip] = (greedy[flip] + 1) % (VOCAB - 2)  # ... except at the flipped positions
+    mask = np.r_[np.zeros(3), np.ones(L - 3)].astype(np.uint8)
+    q = TeacherSequence("s", tokens, mask, np.zeros((L, 6), np.uint16), greedy, np.zeros((L, 2), np.int32),
+                        np.zeros((L, 2), np.float16))
+    a = valid_anchors(q, 512)
+    b = make_batch([q], [a], block, MASK_ID, np.arange(6), 512, with_topk=False, chain=True)
+    kept = dropped = 0
+    for j, p in enumerate(a.tolist()):
+        for k in range(1, block):
+            inside = p + k < L and mask[p + k]
+            reached = all(tokens[p + i] == greedy[p + i - 1] for i in range(1, k))
+            want = int(greedy[p + k - 1]) if inside and reached else -100
+            assert int(b.labels[0, j * block + k]) == want, (p, k)
+            kept += want >= 0
+            dropped += inside and not reached
+    assert kept > 20 and dropped > 20  # both cases occur, so the comparison above tests something
+
+
+def test_training_draws_from_several_caches_with_their_own_layer_order(tiny_target, tmp_path):
+    """Two training caches that store the run's layers in different column orders (one with an extra layer): a
+    batch reads each sequence's own columns, and train-fast runs on their union."""
+    recs = _records(8, seed=7)
+    build_teacher_cache(tiny_target, recs[:3], tmp_path / "tc", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs[3:6], tmp_path / "tc2", [3, 2, 1], topk=4)
+    build_teacher_cache(tiny_target, recs[6:], tmp_path / "held", [1, 3], topk=4)
+    a, b2 = TeacherCache(tmp_path / "tc"), TeacherCache(tmp_path / "tc2")
+    q2 = b2.sequences[0]
+    an = valid_anchors(q2, 512)[:2]
+    b = make_batch([q2], [an], 4, MASK_ID, [b2.columns([1, 3])], 512, with_topk=False)
+    tiny_target.set_layer_ids([1, 3])
+    _, feats = tiny_target.hidden(torch.tensor(recs[3]["input_ids"]).unsqueeze(0), None, tap=True)
+    torch.testing.assert_close(b.features[0].float(), feats[0].to(torch.bfloat16).float())  # exact after bf16
+    assert len(a) == 3
+    cfg = _fast_cfg(tmp_path, cache=f"{tmp_path / 'tc'},{tmp_path / 'tc2'}", steps=3, eval_every=3)
+    with seeded(0):
+        last = train_fast(cfg, tiny_target)
+    assert last["step"] == 3
 
 
 def _fast_cfg(tmp_path, **kw) -> FastConfig:
@@ -200,3 +250,50 @@ def test_sigterm_stops_after_a_step_checkpoints_and_exports(tiny_target, tmp_pat
     with seeded(0):
         train_fast(_fast_cfg(tmp_path, steps=state["step"] + 2), tiny_target, resume=True)
     assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["state"]["step"] == state["step"] + 2
+
+
+def test_bool_flags_parse_strictly():
+    """FastConfig's bool fields on the command line: 'false' must turn an option off (a plain str would be truthy)."""
+    from blockdraft.cli import build_parser
+    from blockdraft.train.fast import parse_bool
+
+    args = build_parser().parse_args(["train-fast", "--bucket", "false", "--chain-labels", "yes"])
+    assert args.bucket is False and args.chain_labels is True
+    with pytest.raises(ValueError, match="true or false"):
+        parse_bool("maybe")
+
+
+def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_path):
+    """walk_tau over padded batches equals a per-sequence loop that predicts one block at a time at the anchors
+    decoding would visit (start at the first response anchor, move past the accepted rows and the bonus token)."""
+    from blockdraft.train.fast import make_fast_draft, walk_tau
+
+    recs = _records(5, seed=8)
+    build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)
+    cache = TeacherCache(tmp_path / "tc")
+    cfg = _fast_cfg(tmp_path, draft_vocab_size=VOCAB)
+    with seeded(9):
+        draft = make_fast_draft(cfg, tiny_target, cache)
+    head = DraftHead(tiny_target, draft)
+    cols = cache.columns([1, 3])
+    got = walk_tau(draft, tiny_target, head, cache.sequences, cols, 512, block=3, batch_seqs=2)
+    steps = committed = first = 0
+    for q in cache.sequences:
+        valid = set(valid_anchors(q, 512).tolist())
+        p = min(valid)
+        while p in valid:
+            b = make_batch([q], [np.array([p])], 3, MASK_ID, cols, 512, with_topk=False)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                h = block_forward(draft, b.features, b.ctx_len, tiny_target.embed(b.block_ids), b.anchors, 3)
+                pred = head.ids[head.logits(h).float().argmax(-1)][0]
+            acc = 0
+            for k in (1, 2):
+                if b.labels[0, k] < 0 or pred[k] != b.labels[0, k]:
+                    break
+                acc += 1
+            first += int(b.labels[0, 1] >= 0 and pred[1] == b.labels[0, 1])
+            steps, committed, p = steps + 1, committed + acc + 1, p + acc + 1
+    assert got["walk_steps"] == steps and steps > 20
+    assert committed > steps  # some rows were accepted, so the walk's skipping ahead is exercised too
+    assert got["walk_tau"] == pytest.approx(committed / steps, abs=1e-4)
+    assert got["walk_acc1"] == pytest.approx(first / steps, abs=1e-4)

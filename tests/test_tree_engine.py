@@ -284,3 +284,42 @@ def test_draft_is_skipped_when_a_lookup_branch_is_worth_more_than_it_costs(llama
     skips, steps = res.stats.tree["draft_skips"], len(res.stats.accept_lengths)
     # every step drafts or skips, but a last step with one token left to make has nothing to draft
     assert skips > 0 and len(calls) + skips in (steps - 1, steps)
+
+
+def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_target):
+    """A fast but confidently wrong draft (0.99 on a token the target never picks here): its scores promise ~1
+    token per node, but the tokens it adds beyond the lookup branches are measured as 0, so once measured the draft
+    runs on a step with a lookup branch only to explore (one step in EXPLORE_EVERY + 1), and the output stays
+    token-exact."""
+    from blockdraft.proposers.tree import EXPLORE_EVERY
+
+    calls = []
+
+    def wrong_rows(n, g):
+        calls.append(n)
+        q = torch.full((g, VOCAB), 0.01 / (VOCAB - 1))
+        q[:, VOCAB - 1] = 0.99
+        return q
+
+    class Logged(TreeProposer):
+        steps = []
+
+        def propose_tree(self, tokens, max_depth, sampling, generator):
+            before, measured = len(calls), self._measured is not None
+            tree = super().propose_tree(tokens, max_depth, sampling, generator)
+            self.steps.append((bool(self._lookups), measured, len(calls) > before))
+            return tree
+
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14])
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    assert VOCAB - 1 not in ref  # the draft's token is indeed never right
+    prop = Logged(FakeDraft(wrong_rows, block_size=6), lookup=True, top_k=1,
+                  verify_cost=lambda w: 1e-3 * (1 + 0.3 * w))
+    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                                  ignore_eos=True))
+    assert res.token_ids == ref
+    assert prop._measured is not None and prop._measured < 0.05
+    with_lookup = [ran for lk, measured, ran in prop.steps if lk and measured]
+    assert len(with_lookup) >= 10  # enough steps for the rule to show
+    assert sum(with_lookup) <= len(with_lookup) // (EXPLORE_EVERY + 1) + 1
+    assert res.stats.tree["draft_skips"] == len(with_lookup) - sum(with_lookup)

@@ -253,11 +253,11 @@ def _fast_args(t: argparse.ArgumentParser) -> None:
     """Every FastConfig field as an optional flag (None = the dataclass default)."""
     from dataclasses import MISSING, fields
 
-    from .train.fast import FastConfig
+    from .train.fast import FastConfig, parse_bool
 
     for f in fields(FastConfig):
         default = f.default if f.default is not MISSING else "1,27"
-        kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+        kind = {"int": int, "float": float, "int | None": int, "bool": parse_bool}.get(str(f.type), str)
         t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
                        help=f"(default {default})")
 

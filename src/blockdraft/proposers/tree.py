@@ -18,9 +18,13 @@ the draft's probability of the token when higher.
 Skipping the draft (`dflash+lookup` with a chosen budget): when a lookup continuation exists, the lookup-only tree's
 best rate is compared with the rate expected if the draft also runs, (1 + E_lookup + G) / (draft time +
 verify_cost(1 + lookup nodes + draft nodes)), where G and the number of draft nodes are running means over the
-earlier steps of this generation that had both (G = the summed scores of the draft's nodes). When the draft cannot
-pay for itself (a long, reliable copy), the step verifies the lookup branches alone; the draft's context is still
-extended with every accepted token, so the next step can use it again.
+earlier steps of this generation that had both. G is measured, not predicted: the tokens a step committed beyond the
+deepest accepted lookup branch (what the draft's nodes added); until such a step has been seen, the summed scores of
+the draft's nodes stand in. The draft's probabilities are over-confident where a copy is long (they add ~0.1 tokens
+per step on code, while their scores promise more), which a predicted G would not notice. When the draft cannot pay
+for itself (a long, reliable copy), the step verifies the lookup branches alone; the draft's context is still
+extended with every accepted token, so the next step can use it again, and after EXPLORE_EVERY skips in a row one
+step runs the draft anyway, so that G keeps being measured as the text changes.
 
 Both choices read measured times, so with a chosen budget a seeded sampling run is reproducible only as far as the
 timings repeat (the output distribution is exact either way); a fixed `budget` makes seeded runs repeat exactly.
@@ -40,6 +44,7 @@ from .lookup import find_continuations
 
 MAX_BUDGET = 63  # nodes below the root: verify widths up to 64, the calibrated range
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth two observations
+EXPLORE_EVERY = 8  # after this many draft skips in a row, run the draft once to measure its gain again
 
 
 class TreeProposer:
@@ -76,7 +81,10 @@ class TreeProposer:
         # [matched n-gram length][0: a branch's first token, 1: the tokens after it]
         self._hits = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
         self._trials = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
-        self._gain: tuple[float, float] | None = None  # running (G, draft nodes) of steps with lookup and draft
+        self._gain: tuple[float, float] | None = None  # running (predicted G, draft nodes), steps with both
+        self._measured: float | None = None  # running measured G: tokens committed beyond the lookup branches
+        self._both = False  # this step's tree holds lookup branches and draft nodes
+        self._skip_run = 0  # draft skips in a row
         self.draft_skips = 0
 
     # ---------------------------------------------------------------------------------------------- life cycle
@@ -109,9 +117,13 @@ class TreeProposer:
         q = None
         d_draft = min(max_depth, self.draft_depth)
         if d_draft > 0 and self._lookups and self.budget is None and self._gain is not None:
-            if not self._draft_pays(root, budget, conf, max_depth):
+            if self._skip_run < EXPLORE_EVERY and not self._draft_pays(root, budget, conf, max_depth):
                 d_draft = 0
                 self.draft_skips += 1
+                self._skip_run += 1
+            else:
+                self._skip_run = 0
+        self._both = d_draft > 0 and bool(self._lookups)
         if d_draft > 0:
             t0 = time.perf_counter()
             q = self.draft.distributions(tokens, d_draft, sampling)  # [D, V]
@@ -134,6 +146,8 @@ class TreeProposer:
                    max_depth=max_depth, choose=lambda s: seen.append(s) or 0)
         b, rate = self._best(seen[0], 0.0)
         gain, nodes = self._gain
+        if self._measured is not None:
+            gain = self._measured
         cost = (self._draft_s or 0.0) + self.verify_cost(1 + b + round(nodes))
         return (1.0 + sum(seen[0][:b]) + gain) / cost > rate
 
@@ -158,6 +172,7 @@ class TreeProposer:
         if not self._lookups:
             return
         kids, tokens, on_path = tree.children(), tree.tokens.tolist(), set(path)
+        reach = 0  # the most tokens a lookup branch alone got accepted
         for cont, ngram in zip(self._lookups, self._ngrams):
             node = 0  # walk the branch while the target accepted it: each verified token is a trial
             for d, tok in enumerate(cont):
@@ -170,6 +185,10 @@ class TreeProposer:
                     break
                 self._hits[ngram][c] += 1
                 node = child
+                reach = max(reach, d + 1)
+        if self._both:  # what the draft's nodes added this step (path[0] is the root)
+            extra = float(len(path) - 1 - reach)
+            self._measured = extra if self._measured is None else 0.8 * self._measured + 0.2 * extra
 
     def describe(self) -> dict:
         """What the stats report about this proposer's tree settings."""

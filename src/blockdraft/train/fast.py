@@ -9,8 +9,9 @@ What makes it fast per CPU-second, against the generic trainer (`trainer.py`):
 - the loss runs over a reduced draft vocabulary head (the draft can only propose those tokens anyway);
 - labels are the target's own greedy tokens (teacher-forced), optionally with distillation against its top-k.
 
-Every run logs a learning curve (held-out top-1 accuracy per block position and the tau it implies, against wall
-clock and rows seen) to `curve.jsonl`, checkpoints atomically and resumes exactly (`--resume`): the sequences and
+Batches (rows, labels, the draft-vocabulary head) are built in `batches.py`. Every run logs a learning curve
+(`curve.py`: held-out top-1 accuracy per block position, the tau it implies and the replayed-decoding tau, against
+wall clock and rows seen) to `curve.jsonl`, checkpoints atomically and resumes exactly (`--resume`): the sequences and
 anchors of step i are drawn from a generator seeded by (seed, i).
 """
 
@@ -30,16 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from ..draft import DFlashConfig, DFlashDraftModel
+from .batches import Batch, DraftHead, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
-from .blocks import IGNORE
-from .teacher import TeacherCache, TeacherSequence, feats_tensor
+from .curve import evaluate, heldout_anchors, walk_tau  # noqa: F401 (re-exported)
+from .teacher import TeacherCache
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class FastConfig:
-    cache: str = ""  # teacher cache of the training records
+    cache: str = ""  # teacher cache(s) of the training records, comma-separated (sequences drawn from their union)
     heldout_cache: str = ""  # teacher cache of held-out records (learning curve)
     out_dir: str = "runs/fast"
     layer_ids: list[int] = field(default_factory=lambda: [1, 27])  # tapped target layers fed to the fusion
@@ -51,6 +53,8 @@ class FastConfig:
     #                        step into the first positions, which decide acceptance most
     anchors: int = 0  # anchors per sequence; 0 = every valid response position
     seqs_per_step: int = 4
+    bucket: bool = True  # a step's sequences are neighbours in (anchors, length) order, so that padding (anchor
+    #                      slots and context rows a shorter sequence leaves empty) nearly vanishes
     steps: int = 1000
     minutes: float = 0.0  # stop after this much training time (0 = no limit); the schedule still uses `steps`
     lr: float = 6e-4
@@ -59,6 +63,9 @@ class FastConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss weight exp(-(k-1)/gamma) of block row k
     kd_weight: float = 0.0  # 0 = cross-entropy on the target's greedy token; 1 = distillation on its top-k only
+    chain_labels: bool = True  # label block row k >= 2 only where the text between the anchor and that row is what
+    #                            the target itself would have written (always so on target-written records; on
+    #                            teacher-forced human text only those rows are what decoding would ever verify)
     draft_vocab_size: int = 8192
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
     max_len: int = 512
@@ -67,6 +74,8 @@ class FastConfig:
     eval_seqs: int = 64
     eval_anchors: int = 32  # per held-out sequence (seeded, fixed for the whole run)
     eval_block: int = 0  # rows per evaluated block (0 = block_size); the implied tau covers decode blocks up to it
+    walk_seqs: int = 16  # held-out sequences decoded by a teacher-forced walk (`walk_tau`; 0 = off)
+    walk_block: int = 4  # the decode block of that walk (the default draft decodes with 4)
     save_every: int = 100
     threads: int = 2
 
@@ -87,86 +96,14 @@ class FastConfig:
             raise ValueError("seqs_per_step and steps must be >= 1")
 
 
-def valid_anchors(seq: TeacherSequence, max_len: int) -> np.ndarray:
-    """Positions p (>= 1) whose token and next token are both response tokens -> [M] int64."""
-    m = np.asarray(seq.loss_mask[:max_len], dtype=bool)
-    ok = m[:-1] & m[1:]
-    ok[0] = False  # a block needs at least one context row
-    return np.nonzero(ok)[0].astype(np.int64)
-
-
-@dataclass
-class Batch:
-    features: torch.Tensor  # [S, L, K*H] bf16
-    ctx_len: torch.Tensor  # [S]
-    anchors: torch.Tensor  # [S, N]
-    block_ids: torch.Tensor  # [S, N*B] anchor token then mask ids
-    labels: torch.Tensor  # [S, N*B] target greedy token (target vocabulary) or IGNORE
-    kd_pos: torch.Tensor  # [S, N*B] the position whose top-k distribution labels the row (or -1)
-    offsets: torch.Tensor  # [S, N*B] k = row offset in its block
-    topk_ids: torch.Tensor | None  # [S, N*B, k]
-    topk_logits: torch.Tensor | None  # [S, N*B, k]
-    rows: int  # real block rows (anchors x block), padding excluded; the batch computes S*N*B
-
-
-def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], block: int, mask_id: int,
-               cols: np.ndarray, max_len: int, with_topk: bool) -> Batch:
-    """Pad S sequences and their anchor lists into one batch. Row (j, k) of a block at anchor p is labelled with
-    greedy[p + k - 1], the target's own choice for position p + k after the true prefix (teacher-forced)."""
-    s = len(seqs)
-    lens = [min(len(q), max_len) for q in seqs]
-    seq_len, n = max(lens), max(1, max(len(a) for a in anchor_lists))
-    kh = len(cols)
-    feats = torch.zeros(s, seq_len, kh, dtype=torch.bfloat16)
-    anchors = torch.ones(s, n, dtype=torch.long)
-    labels = torch.full((s, n * block), IGNORE, dtype=torch.long)
-    kd_pos = torch.full((s, n * block), -1, dtype=torch.long)
-    block_ids = torch.full((s, n * block), mask_id, dtype=torch.long)
-    k = torch.arange(block)
-    offsets = k.repeat(n).unsqueeze(0).expand(s, -1).contiguous()
-    topk = seqs[0].topk_ids.shape[1]
-    tk_ids = torch.zeros(s, n * block, topk, dtype=torch.long) if with_topk else None
-    tk_lg = torch.zeros(s, n * block, topk, dtype=torch.float32) if with_topk else None
-    for i, (q, a) in enumerate(zip(seqs, anchor_lists)):
-        L = lens[i]
-        feats[i, :L] = feats_tensor(q, cols if len(cols) < q.feats.shape[1] else None)[:L]
-        if len(a) == 0:
-            continue
-        at = torch.from_numpy(a)
-        anchors[i, : len(a)] = at
-        tokens = torch.from_numpy(np.asarray(q.tokens[:L], dtype=np.int64))
-        greedy = torch.from_numpy(np.asarray(q.greedy[:L], dtype=np.int64))
-        mask = torch.from_numpy(np.asarray(q.loss_mask[:L], dtype=bool))
-        pos = (at[:, None] + k).reshape(-1)  # [n_i * B]
-        rows = slice(0, len(a) * block)
-        inside = pos < L
-        safe = pos.clamp(max=L - 1)
-        offs = offsets[i, rows]
-        ok = inside & mask[safe] & (offs > 0)
-        labels[i, rows] = torch.where(ok, greedy[(safe - 1).clamp_min(0)], torch.full_like(pos, IGNORE))
-        kd_pos[i, rows] = torch.where(ok, safe - 1, torch.full_like(pos, -1))
-        block_ids[i, rows] = torch.where(offs == 0, tokens[safe], torch.full_like(pos, mask_id))
-        if with_topk:
-            src = (safe - 1).clamp_min(0).numpy()
-            tk_ids[i, rows] = torch.from_numpy(np.asarray(q.topk_ids[src], dtype=np.int64))
-            tk_lg[i, rows] = torch.from_numpy(np.asarray(q.topk_logits[src], dtype=np.float32))
-    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg,
-                 rows=sum(len(a) for a in anchor_lists) * block)
-
-
-class DraftHead:
-    """The target's frozen LM-head rows of the draft vocabulary and the target-id -> draft-id map."""
-
-    def __init__(self, target, draft: DFlashDraftModel) -> None:
-        v = target.vocab_size
-        ids = draft.vocab_ids
-        self.ids = torch.arange(v) if ids is None else ids.cpu()
-        self.weight = target.lm_head.weight.detach()[self.ids]  # [Vd, H]
-        self.map = torch.full((v,), -1, dtype=torch.long)
-        self.map[self.ids] = torch.arange(self.ids.numel())
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight.to(hidden.dtype))
+def parse_bool(text: str) -> bool:
+    """A command-line boolean (FastConfig's bool fields): true/false, yes/no, on/off, 1/0."""
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
 
 
 def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, cfg: FastConfig):
@@ -196,60 +133,6 @@ def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, c
     return loss, correct, counted
 
 
-@torch.no_grad()
-def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence],
-             anchor_lists: list[np.ndarray], cols: np.ndarray, max_len: int, batch_seqs: int = 8,
-             block: int | None = None) -> dict:
-    """Held-out top-1 accuracy per block position (teacher-forced: the draft's argmax vs the target's greedy token)
-    and the tau it implies for decode block sizes 2, 4, 8, 16: 1 + mean over blocks of the number of leading rows
-    the draft got right (what greedy verification would accept), capped at b - 1. block: rows per evaluated
-    block (default: the draft's block size)."""
-    block = block or draft.config.block_size
-    was = draft.training
-    draft.eval()
-    correct = torch.zeros(block, dtype=torch.long)
-    counted = torch.zeros(block, dtype=torch.long)
-    prefix_lens = []
-    for s in range(0, len(seqs), batch_seqs):
-        b = make_batch(seqs[s:s + batch_seqs], anchor_lists[s:s + batch_seqs], block, draft.mask_token_id, cols,
-                       max_len, with_topk=False)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            embeds = target.embed(b.block_ids)
-            hidden = block_forward(draft, b.features, b.ctx_len, embeds, b.anchors, block)
-            pred = head.ids[head.logits(hidden).float().argmax(-1)]  # [S, N*B] target ids
-        hit = (pred == b.labels)
-        valid = b.labels >= 0
-        correct += torch.zeros(block, dtype=torch.long).index_add_(0, b.offsets[valid], hit[valid].long())
-        counted += torch.zeros(block, dtype=torch.long).index_add_(0, b.offsets[valid], valid[valid].long())
-        # accepted prefix per block: rows 1.. while hit (an unlabelled row ends the block: the response ended)
-        hb = (hit & valid).view(hit.shape[0], -1, block)[:, :, 1:]
-        real = torch.zeros(hit.shape[0], hb.shape[1], dtype=torch.bool)
-        for i, a in enumerate(anchor_lists[s:s + batch_seqs]):
-            real[i, : len(a)] = True
-        run = hb.long().cumprod(-1)  # [S, N, B-1]
-        prefix_lens.append(run[real])
-    draft.train(was)
-    runs = torch.cat(prefix_lens) if prefix_lens else torch.zeros(0, block - 1, dtype=torch.long)
-    acc = (correct.float() / counted.clamp_min(1).float()).tolist()
-    out = {"acc": [round(x, 4) for x in acc[1:]], "blocks": int(runs.shape[0])}
-    for bsz in (2, 4, 8, 16):
-        if bsz <= block:
-            out[f"tau{bsz}"] = round(1.0 + float(runs[:, : bsz - 1].sum(-1).float().mean()), 4)
-    return out
-
-
-def heldout_anchors(held: TeacherCache, cfg: FastConfig) -> tuple[list[TeacherSequence], list[np.ndarray]]:
-    """The learning curve's fixed held-out set: the first `eval_seqs` sequences with an anchor and `eval_anchors`
-    anchors of each, drawn from a generator seeded by cfg.seed (the reference probes score the same anchors)."""
-    g = np.random.default_rng(cfg.seed + 1)
-    seqs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
-    anchors = []
-    for q in seqs:
-        a = valid_anchors(q, cfg.max_len)
-        anchors.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
-    return seqs, anchors
-
-
 def lr_at(step: int, cfg: FastConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -257,10 +140,12 @@ def lr_at(step: int, cfg: FastConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
-def frequent_greedy_tokens(cache: TeacherCache, n: int, vocab_size: int, always=()) -> torch.Tensor:
+def frequent_greedy_tokens(cache: TeacherCache | list[TeacherCache], n: int, vocab_size: int,
+                           always=()) -> torch.Tensor:
     """The n most frequent target-greedy labels of response positions (what the draft must propose) -> sorted [n]."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for q in cache.sequences:
+    caches = cache if isinstance(cache, list) else [cache]
+    for q in (q for c in caches for q in c.sequences):
         m = np.asarray(q.loss_mask, dtype=bool)
         lab = np.asarray(q.greedy, dtype=np.int64)[:-1][m[1:]]
         counts += np.bincount(lab, minlength=vocab_size)[:vocab_size]
@@ -269,7 +154,7 @@ def frequent_greedy_tokens(cache: TeacherCache, n: int, vocab_size: int, always=
     return score.topk(n).indices.sort().values
 
 
-def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache) -> DFlashDraftModel:
+def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherCache]) -> DFlashDraftModel:
     from ..loading import default_mask_token_id
 
     if cfg.init not in ("target", "target-identity", "random"):
@@ -334,12 +219,16 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cache, held = TeacherCache(cfg.cache), TeacherCache(cfg.heldout_cache)
-    cols = cache.columns(cfg.layer_ids)
-    hcols = held.columns(cfg.layer_ids)
-    if list(cols) != list(hcols):
-        raise ValueError("training and held-out caches store their layers in different orders")
-    draft = make_fast_draft(cfg, target, cache)
+    caches = [TeacherCache(c) for c in cfg.cache.split(",") if c.strip()]
+    if not caches:
+        raise ValueError("no training teacher cache given (cache=...)")
+    held = TeacherCache(cfg.heldout_cache)
+    for c in caches:
+        if c.hidden_size != held.hidden_size:
+            raise ValueError(f"{c.dir} holds hidden size {c.hidden_size}, {held.dir} {held.hidden_size}: "
+                             "caches of different targets")
+    cols = held.columns(cfg.layer_ids)  # each cache maps the run's layers to its own columns
+    draft = make_fast_draft(cfg, target, caches)
     if draft.config.block_size != cfg.block_size:
         raise ValueError(f"draft block size {draft.config.block_size} != --block-size {cfg.block_size}")
     head = DraftHead(target, draft)
@@ -359,18 +248,33 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         log.info("resumed at step %d (%.1f min of training)", state["step"], state["train_seconds"] / 60)
     elif curve_path.exists():
         curve_path.unlink()
-    train_seqs = [q for q in cache.sequences if len(valid_anchors(q, cfg.max_len))]
+    train_seqs, train_cols = [], []
+    for c in caches:
+        ccols = c.columns(cfg.layer_ids)
+        for q in c.sequences:
+            if len(valid_anchors(q, cfg.max_len)):
+                train_seqs.append(q)
+                train_cols.append(ccols)
+    log.info("training sequences: %d from %s", len(train_seqs), ", ".join(f"{c.dir} ({len(c)})" for c in caches))
+    if cfg.bucket:  # neighbours in this order have about as many anchors and context rows as each other
+        cap = cfg.anchors or 10 ** 9
+        order = sorted(range(len(train_seqs)), key=lambda i: (min(len(valid_anchors(train_seqs[i], cfg.max_len)),
+                                                                  cap), min(len(train_seqs[i]), cfg.max_len), i))
+        train_seqs = [train_seqs[i] for i in order]
+        train_cols = [train_cols[i] for i in order]
     held_seqs, held_anchors = heldout_anchors(held, cfg)
 
     def log_eval(extra: dict) -> dict:
         ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block)
+        if cfg.walk_seqs:
+            ev.update(walk_tau(draft, target, head, held_seqs[: cfg.walk_seqs], cols, cfg.max_len, cfg.walk_block))
         entry = {"step": state["step"], "minutes": round(state["train_seconds"] / 60, 3), "rows": state["rows"],
                  **extra, **ev}
         with open(curve_path, "a") as f:
             f.write(json.dumps(entry) + "\n")
-        log.info("step %d  %.1f min  rows %d  held-out acc@1..4 %s  tau4 %.3f  %s", state["step"],
+        log.info("step %d  %.1f min  rows %d  held-out acc@1..4 %s  tau4 %.3f  walk tau %s  %s", state["step"],
                  entry["minutes"], state["rows"], ev["acc"][:4], ev.get("tau4", float("nan")),
-                 {k: v for k, v in extra.items()})
+                 ev.get("walk_tau"), {k: v for k, v in extra.items()})
         return entry
 
     if state["step"] == 0:
@@ -384,16 +288,22 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         step = state["step"]
         t0 = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step])
-        picks = rng.choice(len(train_seqs), size=min(cfg.seqs_per_step, len(train_seqs)), replace=False)
+        n_pick = min(cfg.seqs_per_step, len(train_seqs))
+        if cfg.bucket:  # a random window of neighbours (every sequence is about equally likely to be drawn)
+            first = int(rng.integers(0, len(train_seqs) - n_pick + 1))
+            picks = np.arange(first, first + n_pick)
+        else:
+            picks = rng.choice(len(train_seqs), size=n_pick, replace=False)
         seqs = [train_seqs[i] for i in picks]
+        seq_cols = [train_cols[i] for i in picks]
         anchor_lists = []
         for q in seqs:
             a = valid_anchors(q, cfg.max_len)
             if cfg.anchors and len(a) > cfg.anchors:
                 a = np.sort(rng.choice(a, size=cfg.anchors, replace=False))
             anchor_lists.append(a)
-        batch = make_batch(seqs, anchor_lists, cfg.train_block, draft.mask_token_id, cols, cfg.max_len,
-                           with_topk=cfg.kd_weight > 0)
+        batch = make_batch(seqs, anchor_lists, cfg.train_block, draft.mask_token_id, seq_cols, cfg.max_len,
+                           with_topk=cfg.kd_weight > 0, chain=cfg.chain_labels)
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16):

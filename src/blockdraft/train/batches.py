@@ -1,0 +1,120 @@
+"""Training and evaluation batches of the fast path (train/fast.py): which block rows a sequence contributes, what
+labels they carry, and the frozen head they are scored through.
+
+A block at anchor p holds the anchor token and B-1 mask rows; row k is labelled with the target's own greedy choice
+for position p + k after the true prefix (teacher-forced, from the teacher cache), and with chain labels only where
+the target would have reached that row by itself (`chain_ok`). Sequences of one batch are padded to the longest
+context and the longest anchor list; `Batch.rows` counts the real rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..draft import DFlashDraftModel
+from .blocks import IGNORE
+from .teacher import TeacherSequence, feats_tensor
+
+
+def valid_anchors(seq: TeacherSequence, max_len: int) -> np.ndarray:
+    """Positions p (>= 1) whose token and next token are both response tokens -> [M] int64."""
+    m = np.asarray(seq.loss_mask[:max_len], dtype=bool)
+    ok = m[:-1] & m[1:]
+    ok[0] = False  # a block needs at least one context row
+    return np.nonzero(ok)[0].astype(np.int64)
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # [S, L, K*H] bf16
+    ctx_len: torch.Tensor  # [S]
+    anchors: torch.Tensor  # [S, N]
+    block_ids: torch.Tensor  # [S, N*B] anchor token then mask ids
+    labels: torch.Tensor  # [S, N*B] target greedy token (target vocabulary) or IGNORE
+    kd_pos: torch.Tensor  # [S, N*B] the position whose top-k distribution labels the row (or -1)
+    offsets: torch.Tensor  # [S, N*B] k = row offset in its block
+    topk_ids: torch.Tensor | None  # [S, N*B, k]
+    topk_logits: torch.Tensor | None  # [S, N*B, k]
+    rows: int  # real block rows (anchors x block), padding excluded; the batch computes S*N*B
+
+
+def chain_ok(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """[L] tokens, [L] greedy, [n] anchors -> [n, block] bool: row k of the block at anchor p is a decoding label
+    only if tokens p+1 .. p+k-1 are the target's own greedy choices (greedy[t] = the choice after position t), i.e.
+    the target would have reached row k by itself. Rows 0 and 1 are always True."""
+    L = tokens.shape[0]
+    agree = torch.zeros(L + block, dtype=torch.bool)
+    agree[: L - 1] = tokens[1:] == greedy[:-1]  # agree[t]: the text's token t+1 is the target's choice after t
+    steps = agree[anchors[:, None] + torch.arange(block - 1)].long().cumprod(-1).bool()  # [n, B-1]: rows 2..B
+    return torch.cat([torch.ones(anchors.shape[0], 1, dtype=torch.bool), torch.ones_like(steps[:, :1]),
+                      steps[:, :-1]], dim=1)
+
+
+def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], block: int, mask_id: int,
+               cols: np.ndarray | list[np.ndarray], max_len: int, with_topk: bool, chain: bool = True) -> Batch:
+    """Pad S sequences and their anchor lists into one batch. Row (j, k) of a block at anchor p is labelled with
+    greedy[p + k - 1], the target's own choice for position p + k after the true prefix (teacher-forced); with
+    `chain`, rows k >= 2 only where the prefix up to them is the target's own (`chain_ok`). cols: the feature
+    columns to read, one array for all sequences or one per sequence (caches that store different layers)."""
+    s = len(seqs)
+    lens = [min(len(q), max_len) for q in seqs]
+    seq_len, n = max(lens), max(1, max(len(a) for a in anchor_lists))
+    per_seq = cols if isinstance(cols, list) else [cols] * s
+    kh = len(per_seq[0])
+    feats = torch.zeros(s, seq_len, kh, dtype=torch.bfloat16)
+    anchors = torch.ones(s, n, dtype=torch.long)
+    labels = torch.full((s, n * block), IGNORE, dtype=torch.long)
+    kd_pos = torch.full((s, n * block), -1, dtype=torch.long)
+    block_ids = torch.full((s, n * block), mask_id, dtype=torch.long)
+    k = torch.arange(block)
+    offsets = k.repeat(n).unsqueeze(0).expand(s, -1).contiguous()
+    topk = seqs[0].topk_ids.shape[1]
+    tk_ids = torch.zeros(s, n * block, topk, dtype=torch.long) if with_topk else None
+    tk_lg = torch.zeros(s, n * block, topk, dtype=torch.float32) if with_topk else None
+    for i, (q, a) in enumerate(zip(seqs, anchor_lists)):
+        L = lens[i]
+        c = per_seq[i]
+        feats[i, :L] = feats_tensor(q, c if len(c) < q.feats.shape[1] else None)[:L]
+        if len(a) == 0:
+            continue
+        at = torch.from_numpy(a)
+        anchors[i, : len(a)] = at
+        tokens = torch.from_numpy(np.asarray(q.tokens[:L], dtype=np.int64))
+        greedy = torch.from_numpy(np.asarray(q.greedy[:L], dtype=np.int64))
+        mask = torch.from_numpy(np.asarray(q.loss_mask[:L], dtype=bool))
+        pos = (at[:, None] + k).reshape(-1)  # [n_i * B]
+        rows = slice(0, len(a) * block)
+        inside = pos < L
+        safe = pos.clamp(max=L - 1)
+        offs = offsets[i, rows]
+        ok = inside & mask[safe] & (offs > 0)
+        if chain:
+            ok &= chain_ok(tokens, greedy, at, block).reshape(-1)
+        labels[i, rows] = torch.where(ok, greedy[(safe - 1).clamp_min(0)], torch.full_like(pos, IGNORE))
+        kd_pos[i, rows] = torch.where(ok, safe - 1, torch.full_like(pos, -1))
+        block_ids[i, rows] = torch.where(offs == 0, tokens[safe], torch.full_like(pos, mask_id))
+        if with_topk:
+            src = (safe - 1).clamp_min(0).numpy()
+            tk_ids[i, rows] = torch.from_numpy(np.asarray(q.topk_ids[src], dtype=np.int64))
+            tk_lg[i, rows] = torch.from_numpy(np.asarray(q.topk_logits[src], dtype=np.float32))
+    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg,
+                 rows=sum(len(a) for a in anchor_lists) * block)
+
+
+class DraftHead:
+    """The target's frozen LM-head rows of the draft vocabulary and the target-id -> draft-id map."""
+
+    def __init__(self, target, draft: DFlashDraftModel) -> None:
+        v = target.vocab_size
+        ids = draft.vocab_ids
+        self.ids = torch.arange(v) if ids is None else ids.cpu()
+        self.weight = target.lm_head.weight.detach()[self.ids]  # [Vd, H]
+        self.map = torch.full((v,), -1, dtype=torch.long)
+        self.map[self.ids] = torch.arange(self.ids.numel())
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight.to(hidden.dtype))
