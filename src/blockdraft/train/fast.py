@@ -227,7 +227,7 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         if c.hidden_size != held.hidden_size:
             raise ValueError(f"{c.dir} holds hidden size {c.hidden_size}, {held.dir} {held.hidden_size}: "
                              "caches of different targets")
-    cols = held.columns(cfg.layer_ids)  # each cache maps the run's layers to its own columns
+    cols = held.columns(cfg.layer_ids)  # the held-out cache's columns; each training cache has its own (below)
     draft = make_fast_draft(cfg, target, caches)
     if draft.config.block_size != cfg.block_size:
         raise ValueError(f"draft block size {draft.config.block_size} != --block-size {cfg.block_size}")
