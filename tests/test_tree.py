@@ -254,6 +254,9 @@ def test_verify_cost_is_measured_and_cached(tmp_path, one_thread):
     target = TargetModel(tiny_llama(layers=2))
     cost = measure_verify_cost(target, max_width=5, context=7, reps=1)
     assert cost.max_width == 5 and all(s > 0 for s in cost.seconds) and cost.context == 7
+    assert cost.meta["tree_mask"] is True  # timed as tree verifies (explicit ancestor mask), what the budget buys
+    chain = measure_verify_cost(target, max_width=5, context=7, reps=1, tree=False)
+    assert chain.meta["tree_mask"] is False and chain.max_width == 5
     path = tmp_path / "cal.json"
     first = load_or_measure(target, path=path, max_width=4, context=6, reps=1)
     assert json.loads(path.read_text())["seconds"] == first.seconds
