@@ -195,18 +195,21 @@ def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_targ
     assert d.config.target_layer_ids == [1, 3] and d.config.draft_vocab_size == 40
 
 
-def test_evaluate_implied_tau_matches_a_naive_count(tiny_target, tmp_path):
-    """evaluate()'s tau is 1 + the mean accepted-prefix length, recomputed here row by row with a plain loop."""
-    recs = _records(3, seed=4)
-    build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)
-    cache = TeacherCache(tmp_path / "tc")
-    cfg = _fast_cfg(tmp_path, draft_vocab_size=VOCAB)
+def _cached_draft(target, tmp_path, n_records: int, record_seed: int, draft_seed: int):
+    """A teacher cache of random records (layers 1, 3) and a seeded random draft over the full vocabulary ->
+    (cache, draft, head, cols)."""
     from blockdraft.train.fast import make_fast_draft
 
-    with seeded(5):
-        draft = make_fast_draft(cfg, tiny_target, cache)
-    head = DraftHead(tiny_target, draft)
-    cols = cache.columns([1, 3])
+    build_teacher_cache(target, _records(n_records, seed=record_seed), tmp_path / "tc", [1, 3], topk=4)
+    cache = TeacherCache(tmp_path / "tc")
+    with seeded(draft_seed):
+        draft = make_fast_draft(_fast_cfg(tmp_path, draft_vocab_size=VOCAB), target, cache)
+    return cache, draft, DraftHead(target, draft), cache.columns([1, 3])
+
+
+def test_evaluate_implied_tau_matches_a_naive_count(tiny_target, tmp_path):
+    """evaluate()'s tau is 1 + the mean accepted-prefix length, recomputed here row by row with a plain loop."""
+    cache, draft, head, cols = _cached_draft(tiny_target, tmp_path, n_records=3, record_seed=4, draft_seed=5)
     anchors = [valid_anchors(q, 512)[:5] for q in cache.sequences]
     ev = evaluate(draft, tiny_target, head, cache.sequences, anchors, cols, 512)
     accepted = []
@@ -266,16 +269,9 @@ def test_bool_flags_parse_strictly():
 def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_path):
     """walk_tau over padded batches equals a per-sequence loop that predicts one block at a time at the anchors
     decoding would visit (start at the first response anchor, move past the accepted rows and the bonus token)."""
-    from blockdraft.train.fast import make_fast_draft, walk_tau
+    from blockdraft.train.fast import walk_tau
 
-    recs = _records(5, seed=8)
-    build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)
-    cache = TeacherCache(tmp_path / "tc")
-    cfg = _fast_cfg(tmp_path, draft_vocab_size=VOCAB)
-    with seeded(9):
-        draft = make_fast_draft(cfg, tiny_target, cache)
-    head = DraftHead(tiny_target, draft)
-    cols = cache.columns([1, 3])
+    cache, draft, head, cols = _cached_draft(tiny_target, tmp_path, n_records=5, record_seed=8, draft_seed=9)
     got = walk_tau(draft, tiny_target, head, cache.sequences, cols, 512, block=3, batch_seqs=2)
     steps = committed = first = 0
     for q in cache.sequences:

@@ -90,11 +90,8 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
             k = (r * 7) % len(timed)
             for w in timed[k:] + timed[:k]:
                 t0 = time.perf_counter()
-                if tree:
-                    target.forward(ids[:, context:context + w], cache, tap=tap, positions=positions[:, :w],
-                                   tree_mask=masks[w])
-                else:
-                    target.forward(ids[:, context:context + w], cache, tap=tap)
+                target.forward(ids[:, context:context + w], cache, tap=tap,
+                               positions=positions[:, :w] if tree else None, tree_mask=masks.get(w))
                 dt = time.perf_counter() - t0
                 cache.crop(context)
                 if r > 0:
@@ -107,7 +104,8 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
         f = 0.0 if hi == lo else (w - lo) / (hi - lo)
         seconds.append((1 - f) * best[lo] + f * best[hi])
     return VerifyCost(seconds, context, {"threads": torch.get_num_threads(), "dtype": str(target.dtype).replace(
-        "torch.", ""), "path": "lean" if target.lean is not None else "hf", "reps": reps, "timed_widths": timed, "tree_mask": tree})
+        "torch.", ""), "path": "lean" if target.lean is not None else "hf", "reps": reps, "timed_widths": timed,
+        "tree_mask": tree})
 
 
 def monotone(y: list[float]) -> list[float]:

@@ -248,18 +248,20 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         log.info("resumed at step %d (%.1f min of training)", state["step"], state["train_seconds"] / 60)
     elif curve_path.exists():
         curve_path.unlink()
-    train_seqs, train_cols = [], []
+    train_seqs, train_cols, n_anchors = [], [], []
     for c in caches:
         ccols = c.columns(cfg.layer_ids)
         for q in c.sequences:
-            if len(valid_anchors(q, cfg.max_len)):
+            n = len(valid_anchors(q, cfg.max_len))
+            if n:
                 train_seqs.append(q)
                 train_cols.append(ccols)
+                n_anchors.append(n)
     log.info("training sequences: %d from %s", len(train_seqs), ", ".join(f"{c.dir} ({len(c)})" for c in caches))
     if cfg.bucket:  # neighbours in this order have about as many anchors and context rows as each other
         cap = cfg.anchors or 10 ** 9
-        order = sorted(range(len(train_seqs)), key=lambda i: (min(len(valid_anchors(train_seqs[i], cfg.max_len)),
-                                                                  cap), min(len(train_seqs[i]), cfg.max_len), i))
+        order = sorted(range(len(train_seqs)),
+                       key=lambda i: (min(n_anchors[i], cap), min(len(train_seqs[i]), cfg.max_len), i))
         train_seqs = [train_seqs[i] for i in order]
         train_cols = [train_cols[i] for i in order]
     held_seqs, held_anchors = heldout_anchors(held, cfg)
