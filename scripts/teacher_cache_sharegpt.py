@@ -12,6 +12,8 @@ Decontamination: the same prompt split as the regeneration (`select_regeneration
 held-out split excluded); only train-side conversations are used.
 
     .venv/bin/python scripts/teacher_cache_sharegpt.py --limit 3000 --threads 2
+    .venv/bin/python scripts/teacher_cache_sharegpt.py --skip 3072 --limit 5632 --layers 1,9,18,24,27,29 \
+        --out cache/teacher-smollm2/sharegpt-tf6    # the next 2560 records, with the six layers of the regen cache
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="cache/teacher-smollm2/sharegpt-tf")
     ap.add_argument("--limit", type=int, default=None, help="first N records of the seeded order")
+    ap.add_argument("--skip", type=int, default=0, help="start after this many records of the seeded order (a new "
+                    "cache of records that an earlier one, built with --limit SKIP, does not hold)")
     ap.add_argument("--layers", default="1,27", help="target layers to store (the default draft reads 1,27)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
@@ -67,7 +71,7 @@ def main() -> int:
     target, _ = load_target(None, "bf16")
     recs = teacher_forced_records(target.tokenizer, args.max_len)
     logging.info("%d teacher-forced ShareGPT records available", len(recs))
-    build_teacher_cache(target, recs[: args.limit], args.out, [int(x) for x in args.layers.split(",")], args.topk,
+    build_teacher_cache(target, recs[args.skip: args.limit], args.out, [int(x) for x in args.layers.split(",")], args.topk,
                         args.max_len)
     return 0
 

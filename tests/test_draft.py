@@ -135,3 +135,31 @@ def test_recommended_decode_block_size(tmp_path, llama_target):
     loaded = DFlashDraftModel.from_pretrained(tmp_path)
     assert DFlashProposer(loaded, llama_target).block_size == 4
     assert DFlashProposer(loaded, llama_target, block_size=6).block_size == 6
+
+
+def test_extending_taps_or_depth_keeps_the_draft_function(target: TargetModel):
+    """A continued draft that gains fused layers (zero fusion columns) or layers (zero output maps) computes what it
+    computed before, so a longer run starts where the old one ended; only the new parameters are free."""
+    draft = tiny_draft(target)
+    with torch.no_grad():  # a trained-looking draft: non-zero everywhere, including what the extension must keep
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    old_ids = draft.config.target_layer_ids
+    spare = next(i for i in range(target.num_layers) if i not in old_ids)
+    new_ids = [old_ids[1], spare, old_ids[0], old_ids[2]]  # a new tap in the middle and a changed order
+    wide = draft.with_target_layers(new_ids)
+    assert wide.config.target_layer_ids == new_ids and draft.config.target_layer_ids == old_ids
+    feats, block = _inputs(target, draft)
+    h = target.hidden_size
+    per = feats.view(1, feats.shape[1], len(old_ids), h)
+    g = torch.Generator().manual_seed(3)
+    wide_feats = torch.stack([per[:, :, old_ids.index(i)] if i in old_ids
+                              else torch.randn(per[:, :, 0].shape, generator=g) * 5 for i in new_ids], dim=2)
+    base = _run(target, draft, feats, block)
+    torch.testing.assert_close(_run(target, wide, wide_feats.flatten(2), block), base)
+    deep = draft.with_extra_layers(target, 2)
+    assert deep.config.num_hidden_layers == draft.config.num_hidden_layers + 2
+    torch.testing.assert_close(_run(target, deep, feats, block), base)
+    assert deep.layers[-1].self_attn.q_proj.weight.abs().sum() > 0  # the appended layers are real copies, not zeros
+    with pytest.raises(ValueError, match="every old layer"):
+        draft.with_target_layers(new_ids[1:2])

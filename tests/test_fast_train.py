@@ -293,3 +293,17 @@ def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_pat
     assert committed > steps  # some rows were accepted, so the walk's skipping ahead is exercised too
     assert got["walk_tau"] == pytest.approx(committed / steps, abs=1e-4)
     assert got["walk_acc1"] == pytest.approx(first / steps, abs=1e-4)
+
+
+def test_a_continued_draft_may_gain_taps_and_layers_but_not_lose_taps(tiny_target, tmp_path):
+    """init=DIR with more layer ids or layers than the saved draft extends it (function kept: draft.py's test);
+    a run that drops a layer the draft reads is refused, before any training."""
+    from blockdraft.train.fast import make_fast_draft
+
+    cache, draft, _, _ = _cached_draft(tiny_target, tmp_path, 3, record_seed=4, draft_seed=1)
+    draft.save_pretrained(tmp_path / "saved")
+    wider = make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), layer_ids=[1, 2, 3], num_layers=3),
+                            tiny_target, cache)
+    assert wider.config.target_layer_ids == [1, 2, 3] and wider.config.num_hidden_layers == 3 and wider.training
+    with pytest.raises(ValueError, match="may only gain layers"):
+        make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), layer_ids=[3]), tiny_target, cache)

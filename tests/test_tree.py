@@ -92,6 +92,48 @@ def test_lookup_branch_merges_with_the_draft_where_prefixes_coincide():
     assert tree.point_mass[node] and not tree.point_mass[tree.children()[node][-1]]
 
 
+def test_draft_scale_reranks_depths_but_leaves_q_alone():
+    """A factor on depth-2 probabilities: unscaled, the second node is the depth-2 child (0.6 * 0.9 > 0.3); scaled
+    by 0.3 it scores 0.6 * 0.27 < 0.3 and the depth-1 runner-up takes its place. q itself is what sampling uses."""
+    q = torch.zeros(2, V)
+    q[0, :3] = torch.tensor([0.6, 0.3, 0.1])
+    q[1, 4], q[1, 5] = 0.9, 0.1
+    plain = build_tree(ROOT, q, budget=2, top_k=2)
+    assert _paths(plain) == {(0,), (0, 4)}
+    scaled = build_tree(ROOT, q, budget=2, top_k=2, draft_scale=[1.0, 0.3])
+    assert _paths(scaled) == {(0,), (1,)}
+    assert scaled.score.tolist() == pytest.approx([1.0, 0.6, 0.3])
+    up = build_tree(ROOT, q, budget=1, top_k=1, draft_scale=[5.0])  # a factor never lifts a score above 1
+    assert up.score.tolist() == [1.0, 1.0]
+    sampled = build_tree(ROOT, q, budget=2, top_k=2, sample=True, draft_scale=[1.0, 0.3],
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled.q, q)
+
+
+def test_sibling_scores_never_sum_past_one():
+    """Two lookup branches that diverge at depth 1, each with a running rate of 0.8: at most one is accepted, so the
+    second is worth 0.2 (and its subtree scales with it), not 0.8. Where they agree (depth 1 of a shared prefix)
+    they are one node. A draft child next to them gets what is left, none here."""
+    tree = build_tree(ROOT, None, budget=10, top_k=2, lookups=[[1, 2], [3, 4]], lookup_conf=[0.8, 0.8])
+    score = {tuple(tree.path_tokens(i)): round(float(tree.score[i]), 6) for i in range(1, tree.num_nodes)}
+    assert score == {(1,): 0.8, (1, 2): 0.64, (3,): 0.2, (3, 4): 0.16}
+    q = torch.zeros(2, V)
+    q[0, 5] = 0.5
+    q[1, 5] = 0.5
+    with_draft = build_tree(ROOT, q, budget=10, top_k=1, lookups=[[1, 2], [3, 4]], lookup_conf=[0.6, 0.3])
+    score = {tuple(with_draft.path_tokens(i)): round(float(with_draft.score[i]), 6)
+             for i in range(1, with_draft.num_nodes)}
+    assert score[(1,)] == 0.6 and score[(5,)] == 0.4 and score[(3,)] == 0.0  # 0.6 + 0.5 -> 0.6 + 0.4, then 0
+    same = build_tree(ROOT, None, budget=10, top_k=2, lookups=[[1, 2], [1, 4]], lookup_conf=[0.8, 0.8])
+    assert _paths(same) == {(1,), (1, 2), (1, 4)} and float(same.score[1]) == pytest.approx(0.8)
+
+
+def test_is_chain_means_every_parent_is_the_node_before():
+    assert _tree([ROOT, 4, 5, 6], [-1, 0, 1, 2]).is_chain
+    assert _tree([ROOT], [-1]).is_chain
+    assert not _tree([ROOT, 4, 5, 6], [-1, 0, 0, 2]).is_chain  # a branch at the root
+
+
 def test_lookup_only_tree_is_a_chain_per_branch():
     tree = build_tree(ROOT, None, budget=10, top_k=4, lookups=[[1, 2, 3], [1, 4]], lookup_conf=[0.6, 0.5])
     assert _paths(tree) == {(1,), (1, 2), (1, 2, 3), (1, 4)}
@@ -255,17 +297,23 @@ def test_verify_cost_is_measured_and_cached(tmp_path, one_thread):
     cost = measure_verify_cost(target, max_width=5, context=7, reps=1)
     assert cost.max_width == 5 and all(s > 0 for s in cost.seconds) and cost.context == 7
     assert cost.meta["tree_mask"] is True  # timed as tree verifies (explicit ancestor mask), what the budget buys
+    assert len(cost.chain_seconds) == 5 and all(s > 0 for s in cost.chain_seconds)  # causal chains, timed apart
+    assert cost.chain(3) == cost.chain_seconds[2] and cost(3) == cost.seconds[2]
     chain = measure_verify_cost(target, max_width=5, context=7, reps=1, tree=False)
-    assert chain.meta["tree_mask"] is False and chain.max_width == 5
+    assert chain.meta["tree_mask"] is False and chain.max_width == 5 and chain.chain_seconds is None
+    assert chain.chain(4) == chain(4)  # without a chain curve a chain costs what the one curve says
     path = tmp_path / "cal.json"
     first = load_or_measure(target, path=path, max_width=4, context=6, reps=1)
     assert json.loads(path.read_text())["seconds"] == first.seconds
+    assert json.loads(path.read_text())["chain_seconds"] == first.chain_seconds
     again = load_or_measure(target, path=path, max_width=9)  # read back: the new arguments are not used
-    assert again.seconds == first.seconds and again.max_width == 4
+    assert again.seconds == first.seconds and again.max_width == 4 and again.chain_seconds == first.chain_seconds
     path.write_text("{not json")
     assert load_or_measure(target, path=path, max_width=3, context=5, reps=1).max_width == 3  # corrupt: remeasured
     with pytest.raises(ValueError):
         VerifyCost([0.1, 0.0])
+    with pytest.raises(ValueError, match="same widths"):
+        VerifyCost([0.1, 0.2], chain_seconds=[0.1])
 
 
 def test_monotone_fit_pools_decreasing_runs():

@@ -158,6 +158,30 @@ def test_tree_with_an_oracle_is_token_exact_and_accepts_its_whole_depth(target, 
     assert res.stats.tree["budget"] == budget and res.stats.to_dict()["tree_nodes"] == res.stats.tree_nodes
 
 
+def test_draft_scale_is_measured_acceptance_over_predicted(llama_target):
+    """The second-best oracle with a fixed full binary tree: at every depth each step tries both top-2 children of
+    the accepted node (predicted q_true + q_wrong) and accepts one, so the factor is (steps + prior) over
+    (steps * (q_true + q_wrong) + prior); sampling runs keep the factor at 1."""
+    from blockdraft.proposers.tree import SCALE_PRIOR
+
+    prompt = _prompt(5)
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    draft = FakeDraft(_second_best_oracle(prompt.numel() + 1, ref[1:]), block_size=4)
+    prop = TreeProposer(draft, budget=14, top_k=2)
+    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                                  ignore_eos=True))
+    assert res.token_ids == ref
+    steps = res.stats.accept_lengths
+    pair = 0.9 / (0.9 + 0.01 * (VOCAB - 2))  # both children's normalised probabilities
+    for d in (1, 2, 3):
+        # the oracle's trees are accepted to their full depth a - 1 (the last step's is cut by the tokens left)
+        n = sum(1 for a in steps if a - 1 >= d)
+        assert prop.draft_scale()[d - 1] == pytest.approx((n + SCALE_PRIOR) / (n * pair + SCALE_PRIOR), rel=1e-5)
+    assert res.stats.tree["draft_scale"] == [round(f, 3) for f in prop.draft_scale()]
+    prop.start(prompt, None)
+    assert prop.draft_scale() == [1.0, 1.0, 1.0]  # a new generation starts from the prior
+
+
 @pytest.mark.parametrize("lookup", [False, True])
 @pytest.mark.parametrize("draft", ["useless", "random"])
 def test_tree_is_token_exact_with_poor_drafts(target, draft, lookup):
@@ -323,3 +347,42 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
     assert len(with_lookup) >= 10  # enough steps for the rule to show
     assert sum(with_lookup) <= len(with_lookup) // (EXPLORE_EVERY + 1) + 1
     assert res.stats.tree["draft_skips"] == len(with_lookup) - sum(with_lookup)
+
+
+def test_lookup_only_steps_verify_the_first_branch_as_a_causal_chain(llama_target):
+    """Two lookup branches, no draft: the step proposes the first branch alone (prompt lookup's proposal), its length
+    chosen from the calibration's chain curve (not the masked-tree one); the engine verifies it without an explicit
+    mask, and the output stays token-exact."""
+    from blockdraft.calibrate import VerifyCost
+
+    tokens = torch.tensor([7, 1, 2, 3, 9, 7, 1, 4, 5, 8, 7, 1])  # "7 1" was followed by "4 5 8 ..." and "2 3 9 ..."
+    widths = range(1, 65)
+    cheap_chain = VerifyCost([1.0 + 1.0 * w for w in widths], chain_seconds=[1.0 + 0.01 * w for w in widths])
+    prop = TreeProposer(None, lookup=True, verify_cost=cheap_chain, lookup_depth=4)
+    prop.start(tokens, None)
+    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    assert tree.is_chain and tree.path_tokens(tree.num_nodes - 1) == [4, 5, 8, 7]  # all 4: the chain is cheap
+    dear_chain = VerifyCost([1.0 + 0.01 * w for w in widths], chain_seconds=[1.0 + 1.0 * w for w in widths])
+    prop = TreeProposer(None, lookup=True, verify_cost=dear_chain, lookup_depth=4)
+    prop.start(tokens, None)
+    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    assert tree.num_nodes == 1  # each token costs as much as a step: verify none (priced as a chain, not a tree)
+
+    masks = []
+    forward = llama_target.forward
+
+    def logged(ids, cache, **kw):
+        masks.append(kw.get("tree_mask") is not None)
+        return forward(ids, cache, **kw)
+
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14, 60, 61, 3, 14])
+    ref = naive_greedy(llama_target, prompt, N_NEW)
+    llama_target.forward = logged
+    try:
+        prop = TreeProposer(None, lookup=True, verify_cost=cheap_chain)
+        res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+                                                                                      ignore_eos=True))
+    finally:
+        del llama_target.forward
+    assert res.token_ids == ref
+    assert len(masks) > 3 and not any(masks)  # every verify was a causal chain (the prefill passes no mask either)

@@ -36,39 +36,57 @@ class VerifyCost:
     seconds: list[float]  # seconds[w - 1]: one target forward of w new tokens (features tapped) on `context` cached
     context: int = CONTEXT
     meta: dict = field(default_factory=dict)
+    # the same for a causal chain of w tokens (no explicit mask: the faster attention path a chain-shaped tree takes);
+    # None: only masked forwards were timed, and a chain is costed like any tree of its width
+    chain_seconds: list[float] | None = None
 
     def __post_init__(self) -> None:
-        if not self.seconds or any(not (s > 0) for s in self.seconds):
-            raise ValueError("a verify-cost calibration needs a positive time for every width 1..N")
+        for name, ys in (("seconds", self.seconds), ("chain_seconds", self.chain_seconds or [1.0])):
+            if not ys or any(not (s > 0) for s in ys):
+                raise ValueError(f"a verify-cost calibration needs a positive time for every width 1..N ({name})")
+        if self.chain_seconds is not None and len(self.chain_seconds) != len(self.seconds):
+            raise ValueError("chain_seconds and seconds must cover the same widths")
 
     @property
     def max_width(self) -> int:
         return len(self.seconds)
 
     def __call__(self, width: int) -> float:
-        """Seconds to verify `width` tokens (linear extrapolation past the measured range)."""
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
-        if width <= self.max_width:
-            return self.seconds[width - 1]
-        last = self.seconds[-1]
-        slope = max(0.0, (last - self.seconds[0]) / max(1, self.max_width - 1))
-        return last + slope * (width - self.max_width)
+        """Seconds to verify a tree of `width` nodes (linear extrapolation past the measured range)."""
+        return _at(self.seconds, width)
+
+    def chain(self, width: int) -> float:
+        """Seconds to verify a causal chain of `width` tokens."""
+        return _at(self.chain_seconds or self.seconds, width)
 
     def summary(self) -> dict:
         """Milliseconds at a few widths and relative to one token: what the stats and the bench report show."""
         pick = [w for w in (1, 2, 4, 8, 16, 24, 32, 48, 64) if w <= self.max_width]
-        return {"context": self.context, "ms": {w: round(1e3 * self(w), 3) for w in pick},
-                "relative": {w: round(self(w) / self(1), 3) for w in pick}, **self.meta}
+        out = {"context": self.context, "ms": {w: round(1e3 * self(w), 3) for w in pick},
+               "relative": {w: round(self(w) / self(1), 3) for w in pick}, **self.meta}
+        if self.chain_seconds is not None:
+            out["chain_ms"] = {w: round(1e3 * self.chain(w), 3) for w in pick}
+        return out
+
+
+def _at(seconds: list[float], width: int) -> float:
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if width <= len(seconds):
+        return seconds[width - 1]
+    last = seconds[-1]
+    slope = max(0.0, (last - seconds[0]) / max(1, len(seconds) - 1))
+    return last + slope * (width - len(seconds))
 
 
 def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTEXT, reps: int = 3,
                         seed: int = 0, tree: bool = True) -> VerifyCost:
     """Time target forwards of 1..max_width tokens after a `context`-token prefill (random tokens: the cost does
-    not depend on them). Widths are visited in a rotating order per repetition so that slow phases of the machine
-    spread over all of them; each width keeps its fastest time. The times are then made non-decreasing in width
-    (`monotone`: verifying more tokens never costs less, so a dip is noise, e.g. another process pausing; left in,
-    it would pull every budget choice to that width), and widths between the timed ones are interpolated."""
+    not depend on them), both as a tree (explicit ancestor mask) and as a causal chain when tree=True, else as a
+    chain only. Widths (and the two shapes) are visited in a rotating order per repetition so that slow phases of
+    the machine spread over all of them; each keeps its fastest time. The times are then made non-decreasing in
+    width (`monotone`: verifying more tokens never costs less, so a dip is noise, e.g. another process pausing; left
+    in, it would pull every budget choice to that width), and widths between the timed ones are interpolated."""
     if max_width < 1 or context < 1 or reps < 1:
         raise ValueError("max_width, context and reps must be >= 1")
     context = min(context, target.max_context - max_width - 1)
@@ -80,32 +98,44 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
         target.forward(ids[:, :context], cache, last_only=True, tap=False)
         timed = sorted(set(range(1, min(max_width, DENSE_UP_TO) + 1)) | set(range(DENSE_UP_TO, max_width + 1,
                                                                                      STRIDE)) | {max_width})
-        best = {w: float("inf") for w in timed}
-        # a tree verify passes an explicit ancestor mask, which takes a slower attention path than a causal chain
-        # (measured on code in fp32: ~16 tree nodes took 100 ms where a causal 16-token chain took 82-86 ms), so
-        # the budget is chosen from masked forwards; a chain-shaped tree stands in for any shape of that width
+        # trees are costed from masked forwards (a chain-shaped ancestor mask stands in for any shape of that
+        # width) and chains, which the engine verifies without a mask, from causal ones: the two are timed rather
+        # than assumed equal (on the lean bf16 path here they were, within noise: 16 tokens 35.6 vs 35.9 ms; an
+        # earlier belief that the masked path costs more came from comparing calibrations of different runs)
+        shapes = ("tree", "chain") if tree else ("chain",)
+        jobs = [(shape, w) for w in timed for shape in shapes]
+        best = {job: float("inf") for job in jobs}
         positions = torch.arange(context, context + max_width, device=ids.device).unsqueeze(0)
-        masks = {w: ancestor_mask(torch.arange(-1, w - 1)).to(ids.device) for w in timed} if tree else {}
+        masks = {w: ancestor_mask(torch.arange(-1, w - 1)).to(ids.device) for w in timed}
         for r in range(reps + 1):  # repetition 0 warms up every width (first-call allocations) and is not kept
-            k = (r * 7) % len(timed)
-            for w in timed[k:] + timed[:k]:
+            k = (r * 7) % len(jobs)
+            for shape, w in jobs[k:] + jobs[:k]:
+                masked = shape == "tree"
                 t0 = time.perf_counter()
                 target.forward(ids[:, context:context + w], cache, tap=tap,
-                               positions=positions[:, :w] if tree else None, tree_mask=masks.get(w))
+                               positions=positions[:, :w] if masked else None, tree_mask=masks[w] if masked else None)
                 dt = time.perf_counter() - t0
                 cache.crop(context)
                 if r > 0:
-                    best[w] = min(best[w], dt)
-    best = dict(zip(timed, monotone([best[w] for w in timed])))
+                    best[shape, w] = min(best[shape, w], dt)
+    curves = {shape: _interpolate(timed, monotone([best[shape, w] for w in timed]), max_width) for shape in shapes}
+    meta = {"threads": torch.get_num_threads(), "dtype": str(target.dtype).replace("torch.", ""),
+            "path": "lean" if target.lean is not None else "hf", "reps": reps, "timed_widths": timed,
+            "tree_mask": tree}
+    return VerifyCost(curves["tree"] if tree else curves["chain"], context, meta,
+                      chain_seconds=curves["chain"] if tree else None)
+
+
+def _interpolate(timed: list[int], times: list[float], max_width: int) -> list[float]:
+    """Times at the timed widths -> a time for every width 1..max_width (linear in between)."""
+    best = dict(zip(timed, times))
     seconds = []
     for w in range(1, max_width + 1):
         lo = max(t for t in timed if t <= w)
         hi = min(t for t in timed if t >= w)
         f = 0.0 if hi == lo else (w - lo) / (hi - lo)
         seconds.append((1 - f) * best[lo] + f * best[hi])
-    return VerifyCost(seconds, context, {"threads": torch.get_num_threads(), "dtype": str(target.dtype).replace(
-        "torch.", ""), "path": "lean" if target.lean is not None else "hf", "reps": reps, "timed_widths": timed,
-        "tree_mask": tree})
+    return seconds
 
 
 def monotone(y: list[float]) -> list[float]:
@@ -127,7 +157,7 @@ def _key(target) -> str:
              target.num_layers, target.vocab_size, getattr(cfg, "num_attention_heads", ""),
              getattr(cfg, "num_key_value_heads", ""), str(target.dtype), str(target.device),
              "lean" if target.lean is not None else "hf", torch.get_num_threads(), torch.__version__,
-             platform.processor() or platform.machine(), _cpu_model(), "tree-mask"]
+             platform.processor() or platform.machine(), _cpu_model(), "tree-mask+chain"]
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
@@ -152,7 +182,7 @@ def load_or_measure(target, refresh: bool = False, path: Path | None = None, **m
     if not refresh and path.is_file():
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
-            cost = VerifyCost(d["seconds"], d["context"], d.get("meta", {}))
+            cost = VerifyCost(d["seconds"], d["context"], d.get("meta", {}), d.get("chain_seconds"))
             log.info("verify-cost calibration from %s", path)
             return cost
         except (ValueError, KeyError, TypeError) as e:

@@ -14,6 +14,7 @@ the layers' k/v weights stacked (`context_kv`), and only those are cached betwee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -319,6 +320,47 @@ class DFlashDraftModel(nn.Module):
         self.fc.weight[:, deepest * h:(deepest + 1) * h].copy_(torch.eye(h))
         self.hidden_norm.weight.copy_(self.layers[0].input_layernorm.weight)
         return self
+
+    @torch.no_grad()
+    def with_target_layers(self, layer_ids: list[int]) -> "DFlashDraftModel":
+        """A copy that reads `layer_ids` (a superset of today's taps, any order) and computes exactly what this draft
+        computes: the fusion's columns for the new layers start at zero. Why: a trained draft can then learn to use
+        more of the target without first forgetting what it reads today (a fresh fusion would restart training)."""
+        old = self.config.target_layer_ids
+        missing = [i for i in old if i not in layer_ids]
+        if missing or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"cannot extend a draft reading layers {old} to {list(layer_ids)}: the new list must hold "
+                             "every old layer once")
+        cfg = dataclasses.replace(self.config, target_layer_ids=[int(i) for i in layer_ids],
+                                  extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        state = {k: v for k, v in self.state_dict().items() if k != "fc.weight"}
+        h = cfg.hidden_size
+        w = torch.zeros(h, len(layer_ids) * h, dtype=self.fc.weight.dtype)
+        for j, lid in enumerate(old):
+            k = list(layer_ids).index(lid)
+            w[:, k * h:(k + 1) * h] = self.fc.weight[:, j * h:(j + 1) * h]
+        state["fc.weight"] = w
+        new.load_state_dict(state)
+        return new.train(self.training)
+
+    @torch.no_grad()
+    def with_extra_layers(self, target, n_extra: int) -> "DFlashDraftModel":
+        """A copy with `n_extra` more layers appended, each a copy of a target layer whose output maps (o_proj,
+        down_proj) start at zero, so the deeper draft computes exactly what this one does and only adds capacity."""
+        cfg = dataclasses.replace(self.config, num_hidden_layers=self.config.num_hidden_layers + n_extra,
+                                  extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        fresh = type(self)(cfg).float()
+        fresh.init_layers_from_target(target)  # copies of the target's last layers, for the appended slots
+        state = dict(self.state_dict())
+        for i in range(self.config.num_hidden_layers, cfg.num_hidden_layers):
+            layer = fresh.layers[i]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            state.update({f"layers.{i}.{k}": v for k, v in layer.state_dict().items()})
+        new.load_state_dict(state)
+        return new.train(self.training)
 
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """target_ids [Vd]: the distinct target tokens the draft may propose (sorted here)."""

@@ -298,9 +298,13 @@ class SpeculativeEngine:
         check_tree(tree, target.vocab_size)
         if int(tree.tokens[0]) != int(tokens[-1]):
             raise ValueError("malformed tree: its root must be the last committed token")
-        pos = (tree.depth + (n - 1)).unsqueeze(0)
-        out = target.forward(tree.tokens.unsqueeze(0), cache, tap=tap, positions=pos,
-                             tree_mask=ancestor_mask(tree.parents))
+        if tree.is_chain:  # a chain (e.g. a lookup-only step) takes the plain causal path: its ancestor mask is
+            #                the causal mask, so nothing needs building (and calibrate.py prices it as a chain)
+            out = target.forward(tree.tokens.unsqueeze(0), cache, tap=tap)
+        else:
+            pos = (tree.depth + (n - 1)).unsqueeze(0)
+            out = target.forward(tree.tokens.unsqueeze(0), cache, tap=tap, positions=pos,
+                                 tree_mask=ancestor_mask(tree.parents))
         if sampling.greedy:
             path, committed = greedy_verify_tree(tree, out.logits[0])
         else:

@@ -46,6 +46,12 @@ class Tree:
     def max_depth(self) -> int:
         return int(self.depth.max())
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node's parent is the node before it: the tree is one causal chain (no branching)."""
+        n = self.num_nodes
+        return bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
+
     def children(self) -> list[list[int]]:
         """children()[i] = the children of node i, in index order (the order the verifier tries them)."""
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
@@ -132,7 +138,7 @@ class _Node:
 def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lookups: Sequence[Sequence[int]] = (),
                lookup_conf: Sequence[float | Sequence[float]] = (), max_depth: int | None = None, sample: bool = False,
                choose: Callable[[list[float]], int] | None = None,
-               generator: torch.Generator | None = None) -> Tree:
+               generator: torch.Generator | None = None, draft_scale: Sequence[float] | None = None) -> Tree:
     """Build a candidate tree by best-first expansion.
 
     root: the last committed token. q: [D, V] the draft's distribution at depths 1..D (None: no draft, lookup only).
@@ -144,6 +150,10 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     sample: False -> every draft child is one of the top-k tokens of q (greedy verification); True -> draft children
     are slots filled by drawing without replacement from q (lookup siblings excluded) after the shape is fixed.
     choose(scores) -> how many of the best nodes to keep; scores are in non-increasing order (default: all).
+    draft_scale[d - 1]: a factor on the draft's probabilities at depth d when they are used as scores (min(1, p * f)),
+    e.g. the measured acceptance over the predicted one; it changes which nodes are kept, never q itself.
+    The children of a node are different tokens, so their scores (conditional on the node) are capped to sum to at
+    most 1, the most likely first.
     Returns the tree in breadth-first order (see the module docstring).
     """
     if budget < 0 or top_k < 0:
@@ -182,34 +192,38 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
                 c = lookup_conf[r] if isinstance(lookup_conf[r], (int, float)) else lookup_conf[r][d - 1]
                 lk[tok] = (max(conf, float(c)), br | {r})
         qd = q[d - 1] if (q is not None and d <= d_draft) else None
+        f = 1.0 if draft_scale is None or d > len(draft_scale) else float(draft_scale[d - 1])
+        kids: list[tuple[float, int | None, bool, frozenset]] = []  # (P(child | node), token, point mass, branches)
         for tok, (conf, br) in lk.items():
             if qd is not None:
-                conf = max(conf, float(qd[tok]))
-            child = _Node(i, d, tok, True, node.score * conf, frozenset(br))
+                conf = max(conf, min(1.0, float(qd[tok]) * f))
+            kids.append((conf, tok, True, frozenset(br)))
+        if qd is not None and top_k > 0 and best_p:
+            if sample:
+                # slot r stands for the r-th draw without replacement from q minus the lookup tokens; its score
+                # uses the r-th largest remaining probability (a shape heuristic: it never looks at what is drawn)
+                rest = [p for p, t in zip(best_p[d - 1], best_t[d - 1]) if t not in lk]
+                n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if float(qd[t]) > 0))
+                kids += [(min(1.0, rest[r] * f), None, False, frozenset()) for r in range(min(n_slots, len(rest)))]
+            else:
+                kept = 0
+                for p, t in zip(best_p[d - 1], best_t[d - 1]):
+                    if kept == top_k or p <= 0:  # a token the draft rules out is not worth a node
+                        break
+                    if t in lk:  # merged with the lookup child above
+                        continue
+                    kept += 1
+                    kids.append((min(1.0, p * f), t, False, frozenset()))
+        # siblings are different tokens, so at most one of them is accepted: their conditional probabilities are
+        # capped so that they sum to at most 1, the most likely first (two lookup branches that diverge here, each
+        # with a high running rate, would otherwise promise more than one token at this depth)
+        left = 1.0
+        for conf, tok, pm, br in sorted(kids, key=lambda k: -k[0]):
+            conf = min(conf, left)
+            left -= conf
+            child = _Node(i, d, tok, pm, node.score * conf, br)
             heapq.heappush(heap, (-child.score, counter, child))
             counter += 1
-        if qd is None or top_k == 0 or not best_p:
-            return
-        if sample:
-            # slot r stands for the r-th draw without replacement from q minus the lookup tokens; its score uses
-            # the r-th largest remaining probability (a shape heuristic: it never looks at what is drawn)
-            rest = [p for p, t in zip(best_p[d - 1], best_t[d - 1]) if t not in lk]
-            n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if float(qd[t]) > 0))
-            for r in range(min(n_slots, len(rest))):
-                child = _Node(i, d, None, False, node.score * rest[r], frozenset())
-                heapq.heappush(heap, (-child.score, counter, child))
-                counter += 1
-        else:
-            kept = 0
-            for p, t in zip(best_p[d - 1], best_t[d - 1]):
-                if kept == top_k or p <= 0:  # a token the draft rules out is not worth a node
-                    break
-                if t in lk:  # merged with the lookup child above
-                    continue
-                kept += 1
-                child = _Node(i, d, t, False, node.score * p, frozenset())
-                heapq.heappush(heap, (-child.score, counter, child))
-                counter += 1
 
     push_children(0)
     while heap and len(nodes) <= budget:

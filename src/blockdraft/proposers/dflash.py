@@ -9,6 +9,7 @@ import torch
 from ..cache import KVCache
 from ..config import SamplingParams
 from ..draft import DFlashDraftModel, check_compatible
+from ..draft_lean import LeanDraft
 from ..lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
@@ -19,7 +20,9 @@ class DFlashProposer:
     name = "dflash"
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
-                 denoise_steps: int = 1) -> None:
+                 denoise_steps: int = 1, lean: bool = True) -> None:
+        """lean: run the draft through `LeanDraft` (fused, prepacked weights; a snapshot of the draft's weights
+        now), else through the module (the reference the tests compare with)."""
         check_compatible(draft.config, target)
         # default: the block size the draft's card recommends for decoding (a measured choice, e.g. a weak draft
         # on a CPU verifies fewer tokens per step), else the one it was trained with
@@ -39,11 +42,12 @@ class DFlashProposer:
         self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
+        self.lean = LeanDraft(draft) if lean else None
 
     def _append_context(self, features: torch.Tensor) -> None:
         start = self.ctx.length
         pos = torch.arange(start, start + features.shape[1], device=features.device).unsqueeze(0)
-        ks, vs = self.draft.context_kv(features, pos)
+        ks, vs = (self.lean or self.draft).context_kv(features, pos)
         self.ctx.append(ks, vs)
 
     @torch.no_grad()
@@ -64,9 +68,12 @@ class DFlashProposer:
         positions 1..Q-1 of the block (row j predicts block[j+1]); Vd = V unless the draft vocabulary is reduced."""
         pos = torch.arange(start, start + block.shape[0], device=block.device).unsqueeze(0)
         embeds = self.target.embed(block.unsqueeze(0))
-        ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
-        vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
-        hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
+        if self.lean is not None:
+            hidden = self.lean.forward(embeds, pos, self.ctx)[0, 1:].to(self.target.dtype)
+        else:
+            ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
+            vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
+            hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
         if self.vocab_ids is None or getattr(self.target, "_softcap", None):
             return self.target.logits(hidden, self.vocab_ids)
         if self._head is None:

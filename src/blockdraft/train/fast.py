@@ -45,7 +45,7 @@ class FastConfig:
     heldout_cache: str = ""  # teacher cache of held-out records (learning curve)
     out_dir: str = "runs/fast"
     layer_ids: list[int] = field(default_factory=lambda: [1, 27])  # tapped target layers fed to the fusion
-    num_layers: int = 2
+    num_layers: int = 2  # draft layers; a continued draft with fewer gets identity-initialised layers appended
     init: str = "target"  # "target" (copy the target's last layers), "target-identity" (the same with zeroed output
     #                        maps), "random", or a draft directory to continue
     block_size: int = 16  # the draft's block size (decoding may use any size up to it)
@@ -160,8 +160,16 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherC
     if cfg.init not in ("target", "target-identity", "random"):
         draft = DFlashDraftModel.from_pretrained(cfg.init, dtype=torch.float32)
         if draft.config.target_layer_ids != list(cfg.layer_ids):
-            raise ValueError(f"{cfg.init} reads layers {draft.config.target_layer_ids}, the run asks for "
-                             f"{list(cfg.layer_ids)}")
+            if any(i not in cfg.layer_ids for i in draft.config.target_layer_ids):
+                raise ValueError(f"{cfg.init} reads layers {draft.config.target_layer_ids}, the run asks for "
+                                 f"{list(cfg.layer_ids)} (a continued draft may only gain layers)")
+            log.info("extending the fusion of %s from layers %s to %s (new columns start at zero)", cfg.init,
+                     draft.config.target_layer_ids, list(cfg.layer_ids))
+            draft = draft.with_target_layers(list(cfg.layer_ids))
+        if cfg.num_layers > draft.config.num_hidden_layers:
+            log.info("appending %d identity-initialised layers to %s", cfg.num_layers - draft.config.num_hidden_layers,
+                     cfg.init)
+            draft = draft.with_extra_layers(target, cfg.num_layers - draft.config.num_hidden_layers)
         return draft.train()
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,

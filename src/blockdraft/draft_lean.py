@@ -1,0 +1,108 @@
+"""The DFlash draft's decode-time forward on fused, prepacked weights.
+
+Why: at decode time the draft runs a handful of tokens (one block of 4-16 and the few newly committed context
+positions) through small matrices, so each step's cost is framework overhead and small-matrix matmuls, not FLOPs.
+Measured on the 3-layer default draft (2 threads, bf16): the module forward took ~4.3 ms per proposal, 57% of it in
+21 unpacked `aten::mm` calls of ~0.1 ms each, plus ~1.1 ms to project newly committed context. This path keeps the
+draft's weights but
+- fuses q/k/v into one projection and gate/up into one, and every layer's context k/v into one (computed once,
+  not concatenated again at every call as `DFlashDraftModel.context_kv` does);
+- prepacks every bf16 weight for oneDNN once (`lean.Linear`, 1.3-1.6x faster than `F.linear` at 1-16 rows);
+- writes the block's keys/values in place after the context in the proposer's `KVCache` (without advancing its
+  length) instead of concatenating the whole context with them in every layer.
+
+It computes the same function as `DFlashDraftModel.context_kv` + `forward` with no mask (the block sees the whole
+context and itself): `tests/test_draft_lean.py` compares the two, and the engine's token-exactness tests run through
+it. It is a snapshot: weights changed after construction (training) are not seen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
+from .lean import Linear, packed_linear_available
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """draft.RMSNorm, op for op (normalise in fp32, cast back, then scale)."""
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dt)
+
+
+class _DraftLayer:
+    def __init__(self, layer, packed: bool) -> None:
+        att, mlp = layer.self_attn, layer.mlp
+        self.n_heads, self.n_kv, self.head_dim = att.n_heads, att.n_kv, att.head_dim
+        self.qkv = Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(), None, packed)
+        self.o = Linear(att.o_proj.weight, None, packed)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), None, packed)
+        self.down = Linear(mlp.down_proj.weight, None, packed)
+        self.inter = int(mlp.gate_proj.weight.shape[0])
+        self.ln1, self.ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
+        self.q_norm, self.k_norm = att.q_norm.weight.detach(), att.k_norm.weight.detach()
+        self.eps = layer.input_layernorm.eps
+
+
+class LeanDraft:
+    """Inference forward of a DFlashDraftModel (see the module docstring)."""
+
+    def __init__(self, draft: DFlashDraftModel, packed: bool | None = None) -> None:
+        cfg = draft.config
+        self.config = cfg
+        self.dtype = draft.dtype
+        device = draft.fc.weight.device
+        packed = packed_linear_available(self.dtype, device) if packed is None else packed
+        self.fc = Linear(draft.fc.weight, None, packed)
+        self.hidden_norm = draft.hidden_norm.weight.detach()
+        self.final_norm = draft.norm.weight.detach()
+        self.eps = draft.norm.eps
+        self.layers = [_DraftLayer(layer, packed) for layer in draft.layers]
+        attn = [layer.self_attn for layer in draft.layers]
+        self.ctx_kv = Linear(torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn]).detach(),
+                             None, packed)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, C, K*H], positions [B, C] -> (ks, vs) [L, B, H_kv, C, D], keys k-normed and rotated
+        (what DFlashDraftModel.context_kv returns)."""
+        cfg = self.config
+        b, c, kh = features.shape
+        assert kh == cfg.num_target_features * cfg.hidden_size, (
+            f"features must be [B, C, K*H] with K*H = {cfg.num_target_features * cfg.hidden_size}, got {kh}")
+        ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, cfg.rms_norm_eps)
+        n = len(self.layers)
+        kv = self.ctx_kv(ctx).view(b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)
+        k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
+        v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, k.dtype)
+        ks = torch.stack([apply_rope(_rms(k[i], layer.k_norm, layer.eps), cos, sin)
+                          for i, layer in enumerate(self.layers)])
+        return ks, v.contiguous()
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx: KVCache) -> torch.Tensor:
+        """block_embeds [B, Q, H] at block_positions [B, Q], attending to the whole context in `ctx` and to the
+        whole block -> final-normed hidden states [B, Q, H]. The block's keys/values are written after the context
+        in `ctx` (capacity grows if needed) and its length is left as it was."""
+        b, q_len, _ = block_embeds.shape
+        x = block_embeds.to(self.dtype)
+        cfg = self.config
+        cos, sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        ctx.reserve(ctx.length + q_len)
+        for i, layer in enumerate(self.layers):
+            h = _rms(x, layer.ln1, layer.eps)
+            nq, nk, d = layer.n_heads * layer.head_dim, layer.n_kv * layer.head_dim, layer.head_dim
+            qkv = layer.qkv(h)
+            q = _rms(qkv[..., :nq].view(b, q_len, layer.n_heads, d), layer.q_norm, layer.eps).transpose(1, 2)
+            k = _rms(qkv[..., nq:nq + nk].view(b, q_len, layer.n_kv, d), layer.k_norm, layer.eps).transpose(1, 2)
+            v = qkv[..., nq + nk:].reshape(b, q_len, layer.n_kv, d).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            keys, values = ctx.write(i, k, v)  # [B, H_kv, C + Q, D]: the context, then this block
+            att = F.scaled_dot_product_attention(q, keys, values, enable_gqa=layer.n_kv != layer.n_heads)
+            x = x + layer.o(att.transpose(1, 2).reshape(b, q_len, nq))
+            gu = layer.gate_up(_rms(x, layer.ln2, layer.eps))
+            x = x + layer.down(F.silu(gu[..., :layer.inter]) * gu[..., layer.inter:])
+        return _rms(x, self.final_norm, self.eps)
