@@ -251,3 +251,16 @@ def test_bad_input_is_a_clear_error(llama_target):
         BatchedEngine(llama_target, max_batch=0)
     with pytest.raises(ValueError, match="proposer_factory"):
         BatchedEngine(llama_target, RowOracle({}))
+
+
+def test_per_row_dflash_clones_share_the_prepacked_draft(llama_target):
+    """The batched engine clones the DFlash proposer per row (each row needs its own context cache) but not its
+    lean draft weights: every clone uses the prototype's LeanDraft."""
+    from blockdraft.batch import proposer_factory_for
+
+    proto = DFlashProposer(tiny_draft(llama_target), llama_target)
+    make = proposer_factory_for(proto)
+    a, b = make(), make()
+    assert a is not b and a.ctx is not b.ctx and a.lean is proto.lean and b.lean is proto.lean
+    plain = proposer_factory_for(DFlashProposer(tiny_draft(llama_target), llama_target, lean=False))()
+    assert plain.lean is None

@@ -76,7 +76,9 @@ def proposer_factory_for(proposer: Proposer | None) -> ProposerFactory:
         return lambda: shared
     if isinstance(proposer, DFlashProposer):
         p = proposer
-        return lambda: DFlashProposer(p.draft, p.target, p.block_size, p.denoise_steps)
+        # the clones share the prototype's prepacked draft weights (building them costs ~10-20 ms and a copy)
+        return lambda: DFlashProposer(p.draft, p.target, p.block_size, p.denoise_steps,
+                                      lean=p.lean if p.lean is not None else False)
     if isinstance(proposer, (NoDraft, PromptLookupProposer)):
         return lambda: proposer
     raise ValueError(f"cannot tell whether proposer {type(proposer).__name__} keeps per-sequence state: "

@@ -20,9 +20,10 @@ class DFlashProposer:
     name = "dflash"
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
-                 denoise_steps: int = 1, lean: bool = True) -> None:
+                 denoise_steps: int = 1, lean: bool | LeanDraft = True) -> None:
         """lean: run the draft through `LeanDraft` (fused, prepacked weights; a snapshot of the draft's weights
-        now), else through the module (the reference the tests compare with)."""
+        now), else through the module (the reference the tests compare with); a LeanDraft of this draft is shared
+        as it is (it holds no per-sequence state: the batched engine's per-row clones use one)."""
         check_compatible(draft.config, target)
         # default: the block size the draft's card recommends for decoding (a measured choice, e.g. a weak draft
         # on a CPU verifies fewer tokens per step), else the one it was trained with
@@ -42,7 +43,7 @@ class DFlashProposer:
         self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
-        self.lean = LeanDraft(draft) if lean else None
+        self.lean = lean if isinstance(lean, LeanDraft) else (LeanDraft(draft) if lean else None)
 
     def _append_context(self, features: torch.Tensor) -> None:
         start = self.ctx.length
