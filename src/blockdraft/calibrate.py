@@ -36,7 +36,7 @@ class VerifyCost:
     seconds: list[float]  # seconds[w - 1]: one target forward of w new tokens (features tapped) on `context` cached
     context: int = CONTEXT
     meta: dict = field(default_factory=dict)
-    # the same for a causal chain of w tokens (no explicit mask: the faster attention path a chain-shaped tree takes);
+    # the same for a causal chain of w tokens (no explicit mask: how the engine verifies a chain-shaped tree);
     # None: only masked forwards were timed, and a chain is costed like any tree of its width
     chain_seconds: list[float] | None = None
 

@@ -14,9 +14,8 @@ the layers' k/v weights stacked (`context_kv`), and only those are cached betwee
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -331,7 +330,7 @@ class DFlashDraftModel(nn.Module):
         if missing or len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"cannot extend a draft reading layers {old} to {list(layer_ids)}: the new list must hold "
                              "every old layer once")
-        cfg = dataclasses.replace(self.config, target_layer_ids=[int(i) for i in layer_ids],
+        cfg = replace(self.config, target_layer_ids=[int(i) for i in layer_ids],
                                   extra=dict(self.config.extra))
         new = type(self)(cfg).to(self.fc.weight.dtype)
         state = {k: v for k, v in self.state_dict().items() if k != "fc.weight"}
@@ -348,7 +347,7 @@ class DFlashDraftModel(nn.Module):
     def with_extra_layers(self, target, n_extra: int) -> "DFlashDraftModel":
         """A copy with `n_extra` more layers appended, each a copy of a target layer whose output maps (o_proj,
         down_proj) start at zero, so the deeper draft computes exactly what this one does and only adds capacity."""
-        cfg = dataclasses.replace(self.config, num_hidden_layers=self.config.num_hidden_layers + n_extra,
+        cfg = replace(self.config, num_hidden_layers=self.config.num_hidden_layers + n_extra,
                                   extra=dict(self.config.extra))
         new = type(self)(cfg).to(self.fc.weight.dtype)
         fresh = type(self)(cfg).float()

@@ -23,15 +23,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
-from .lean import Linear, packed_linear_available
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """draft.RMSNorm, op for op (normalise in fp32, cast back, then scale)."""
-    dt = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dt)
+from .lean import Linear, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
 
 
 class _DraftLayer:
