@@ -7,6 +7,7 @@ deterministically and ids already in the shards are skipped).
     nohup .venv/bin/python scripts/regen_default.py > data/work/regen-smollm2.log 2>&1 &
     # a fresh checkout: start from the committed packed records (data/smollm2-regen) instead of from zero
     .venv/bin/python scripts/regen_default.py --from-packed data/smollm2-regen --batch-size 64 --threads 2
+    .venv/bin/python scripts/regen_default.py --only-task gsm --batch-size 64   # math prompts first
     .venv/bin/python scripts/regen_default.py --bench      # tokens/s for a few batch sizes, ~1 min each
 """
 
@@ -99,6 +100,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (leave cores to others)")
     ap.add_argument("--from-packed", default=None,
                     help="seed empty shard folders with these packed records (data/smollm2-regen) first")
+    ap.add_argument("--only-task", default=None, choices=("sharegpt", "gsm", "jsonl"),
+                    help="regenerate only the training prompts of this task not yet written; a later run "
+                         "without it continues with the rest")
     ap.add_argument("--bench", action="store_true", help="measure tokens/s per batch size and exit")
     ap.add_argument("--bench-sizes", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--bench-seconds", type=float, default=60.0)
@@ -116,7 +120,7 @@ def main() -> None:
         target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, heldout_fraction=args.heldout_fraction,
         seed=args.seed, dtype=args.dtype, max_prompt_tokens=args.max_prompt_tokens, num_threads=args.threads,
-        progress_interval=30.0)
+        progress_interval=30.0, only_task=args.only_task)
     print(json.dumps({k: vars(r) for k, r in out["results"].items()}, indent=1))
 
 

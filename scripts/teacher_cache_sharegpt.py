@@ -66,11 +66,17 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.skip < 0 or (args.limit is not None and args.limit <= args.skip):
+        ap.error(f"--limit is a position in the seeded order (first N records), so it must exceed --skip "
+                 f"({args.skip}); got --limit {args.limit}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
     recs = teacher_forced_records(target.tokenizer, args.max_len)
     logging.info("%d teacher-forced ShareGPT records available", len(recs))
+    if args.skip >= len(recs):
+        logging.error("--skip %d leaves no record (%d available)", args.skip, len(recs))
+        return 2
     build_teacher_cache(target, recs[args.skip: args.limit], args.out, [int(x) for x in args.layers.split(",")], args.topk,
                         args.max_len)
     return 0

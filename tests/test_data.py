@@ -247,3 +247,18 @@ def test_regenerate_lean_path_matches_hf_generate(tiny, tmp_path):
     lean = {r["id"]: r for r in D.read_shards(tmp_path / "lean")}
     hf = {r["id"]: r for r in D.read_shards(tmp_path / "hf")}
     assert lean == hf and len(lean) == len(PROMPTS)
+
+
+def test_pending_of_task_skips_other_tasks_and_written_records(tmp_path):
+    """A task-only regeneration (`regen_default.py --only-task`) plans over the prompts of that task not yet in the
+    shards, in the prompt set's order; without shards, all of the task's prompts."""
+    from blockdraft.train.records import _ShardWriter
+
+    prompts = [P(f"m{i}", f"q{i}", task="gsm" if i % 3 else "sharegpt") for i in range(9)]
+    assert [p.id for p in D.pending_of_task(prompts, "gsm", tmp_path / "none")] == ["m1", "m2", "m4", "m5", "m7",
+                                                                                    "m8"]
+    w = _ShardWriter(tmp_path / "shards", 4)
+    w.write([{"id": i, "input_ids": [1, 2], "loss_mask": [0, 1]} for i in ("m2", "m3", "m7")])
+    w.close()
+    assert [p.id for p in D.pending_of_task(prompts, "gsm", tmp_path / "shards")] == ["m1", "m4", "m5", "m8"]
+    assert D.pending_of_task(prompts, "jsonl", tmp_path / "shards") == []

@@ -163,3 +163,30 @@ def test_extending_taps_or_depth_keeps_the_draft_function(target: TargetModel):
     assert deep.layers[-1].self_attn.q_proj.weight.abs().sum() > 0  # the appended layers are real copies, not zeros
     with pytest.raises(ValueError, match="every old layer"):
         draft.with_target_layers(new_ids[1:2])
+    # the next-token input (outside the public layout) likewise starts with zero columns, and survives the others
+    nxt = torch.randn(1, feats.shape[1], h, generator=g) * 5
+    copy = draft.with_next_token_feature()
+    assert copy.config.next_token_feature and not draft.config.next_token_feature
+    torch.testing.assert_close(_run(target, copy, torch.cat([feats, nxt], -1), block), base)
+    with torch.no_grad():
+        copy.fc.weight[:, -h:].normal_(generator=g)
+    moved = _run(target, copy, torch.cat([feats, nxt], -1), block)
+    assert not torch.allclose(moved, base)
+    grown = copy.with_target_layers(new_ids).with_extra_layers(target, 1)
+    torch.testing.assert_close(_run(target, grown, torch.cat([wide_feats.flatten(2), nxt], -1), block), moved)
+
+
+def test_next_token_feature_round_trips_and_stays_out_of_the_public_layout(tmp_path, llama_target):
+    """The flag is saved under blockdraft's own config section (the public dflash_config is untouched), loads back
+    with the wider fusion, and GGUF export for llama.cpp refuses such a draft with a clear error."""
+    from blockdraft.gguf_export import export_draft_gguf
+
+    draft = tiny_draft(llama_target, layers=1).with_next_token_feature()
+    draft.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["blockdraft"]["next_token_feature"] is True and "next_token_feature" not in cfg["dflash_config"]
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert loaded.config.next_token_feature and loaded.config.extra.get("next_token_feature") is None
+    assert loaded.fc.weight.shape[1] == (draft.config.num_target_features + 1) * llama_target.hidden_size
+    with pytest.raises(ValueError, match="next token"):
+        export_draft_gguf(tmp_path / "d", tmp_path / "none.gguf", tmp_path, tmp_path / "out.gguf")

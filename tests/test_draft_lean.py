@@ -81,3 +81,26 @@ def test_proposer_lean_and_module_paths_propose_the_same(llama_target):
                       p.distributions(prompt, 5, SamplingParams())))
     assert torch.equal(props[0][0], props[1][0])
     torch.testing.assert_close(props[0][1], props[1][1], **TOL)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "module"])
+def test_next_token_feature_pairs_each_context_position_with_the_token_after_it(llama_target, lean):
+    """A draft with next_token_feature: the proposer's context keys/values equal the draft's own context_kv over
+    [features at i ; embedding of token i+1] (the naive pairing), across start, accept and two proposals; the
+    newest position's next token is the anchor, known only when drafting starts."""
+    draft = _trained_looking(tiny_draft(llama_target, layers=2, block_size=6).with_next_token_feature())
+    tokens = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(5))
+    llama_target.set_layer_ids(tuple(draft.config.target_layer_ids))
+    feats = llama_target.forward(tokens.unsqueeze(0), None).features  # [1, 14, K*H]
+    p = DFlashProposer(draft, llama_target, lean=lean)
+    p.start(tokens[:8], feats[:, :8])  # the prompt's 8 positions; tokens[8] came from the prefill
+    p.propose(tokens[:9], 5, SamplingParams(), None)
+    p.accept(feats[:, 8:11], 3)  # the anchor and two accepted drafts; tokens[11] is the new anchor
+    p.propose(tokens[:12], 5, SamplingParams(), None)
+    fused = torch.cat([feats[:, :11], llama_target.embed(tokens[1:12].unsqueeze(0))], dim=-1)
+    ks, vs = draft.context_kv(fused, torch.arange(11).unsqueeze(0))
+    assert p.ctx.length == 11
+    for i in range(draft.config.num_hidden_layers):
+        k, v = p.ctx.view(i)
+        torch.testing.assert_close(k, ks[i], **TOL)
+        torch.testing.assert_close(v, vs[i], **TOL)

@@ -307,3 +307,77 @@ def test_a_continued_draft_may_gain_taps_and_layers_but_not_lose_taps(tiny_targe
     assert wider.config.target_layer_ids == [1, 2, 3] and wider.config.num_hidden_layers == 3 and wider.training
     with pytest.raises(ValueError, match="may only gain layers"):
         make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), layer_ids=[3]), tiny_target, cache)
+    nxt = make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), next_token_feature=True), tiny_target,
+                          cache)
+    assert nxt.config.next_token_feature and not nxt.fc.weight[:, -tiny_target.hidden_size:].any()
+    nxt.save_pretrained(tmp_path / "saved-nxt")
+    with pytest.raises(ValueError, match="next-token-feature"):  # dropping the input would change the function
+        make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved-nxt")), tiny_target, cache)
+
+
+@pytest.mark.parametrize("next_token", [False, True], ids=["layout", "next-token-feature"])
+def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path, next_token):
+    """Training's replay (walk_lengths) and the engine's real decoding agree: on the text the engine wrote, the walk
+    visits the same anchors and commits the same tokens per step. This ties the learning curve to what decoding
+    will do (the training side's batched block attention over cached features vs the engine's KV-cached proposer;
+    with `next_token_feature`, also the two ways of pairing each context position with the token after it).
+    The draft is trained for a few steps on the target's own text first, so that blocks get accepted. fp32 on both
+    sides; the cache keeps features rounded to bf16, so a near-tie may flip a step: at most 1 in 10 may differ."""
+    from blockdraft.config import GenerationConfig
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.engine import SpeculativeEngine
+    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.train.curve import walk_lengths
+
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, VOCAB - 2, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(6)]
+    cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    plain = SpeculativeEngine(tiny_target, None)
+    records = []
+    for i, p in enumerate(prompts):
+        new = plain.generate(p, cfg).token_ids
+        records.append({"id": f"g{i}", "input_ids": p + new, "loss_mask": [0] * len(p) + [1] * len(new)})
+    build_teacher_cache(tiny_target, records, tmp_path / "own", [1, 3], topk=4)
+    own = str(tmp_path / "own")
+    with seeded(15):
+        train_fast(_fast_cfg(tmp_path, cache=own, heldout_cache=own, steps=40, anchors=0, kd_weight=0.0,
+                             draft_vocab_size=VOCAB, eval_every=1000, save_every=1000, walk_seqs=0,
+                             next_token_feature=next_token), tiny_target)
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft", dtype=torch.float32).eval()
+    assert draft.config.next_token_feature == next_token
+    if next_token:  # the input was trained, so a misaligned next token would change the proposals
+        assert float(draft.fc.weight.detach()[:, -draft.config.hidden_size:].abs().sum()) > 0
+    eng = SpeculativeEngine(tiny_target, DFlashProposer(draft, tiny_target, block_size=4))
+    real = []
+    for p, rec in zip(prompts, records):
+        res = eng.generate(p, cfg)
+        assert p + res.token_ids == rec["input_ids"]  # lossless: the walk replays the same text
+        real.append(res.stats.accept_lengths)
+    cache = TeacherCache(tmp_path / "own")
+    walked = walk_lengths(draft, tiny_target, DraftHead(tiny_target, draft), cache.sequences, cache.columns([1, 3]),
+                          512, block=4, dtype=torch.float32)
+    # the last step of each may differ: decoding stops at max_new_tokens, the walk at the end of the text
+    pairs = [(w[0], r) for seq_w, seq_r in zip(walked, real) for w, r in zip(seq_w[:-1], seq_r[:-1])]
+    assert len(pairs) > 30 and sum(r > 1 for _, r in pairs) >= 10  # drafts were accepted: the skipping is tested
+    assert sum(w != r for w, r in pairs) <= len(pairs) // 10, pairs
+
+
+def test_batch_next_ids_are_the_tokens_after_each_position(tiny_target, tmp_path):
+    """make_batch's next_ids[i, t] is token t+1 of sequence i (0 past its end), and fused_inputs appends their
+    embeddings after the features only for a draft with next_token_feature."""
+    from blockdraft.train.batches import fused_inputs
+
+    cache, draft, _, cols = _cached_draft(tiny_target, tmp_path, n_records=3, record_seed=16, draft_seed=17)
+    seqs = cache.sequences
+    b = make_batch(seqs, [valid_anchors(q, 512)[:3] for q in seqs], 4, MASK_ID, cols, 512, with_topk=False)
+    for i, q in enumerate(seqs):
+        toks = np.asarray(q.tokens, dtype=np.int64)
+        assert b.next_ids[i, : len(toks) - 1].tolist() == toks[1:].tolist()
+        assert not b.next_ids[i, len(toks) - 1:].any()
+    assert fused_inputs(draft, tiny_target, b) is b.features
+    wide = draft.with_next_token_feature()
+    got = fused_inputs(wide, tiny_target, b)
+    h = tiny_target.hidden_size
+    assert torch.equal(got[..., :-h], b.features.to(got.dtype))
+    assert torch.equal(got[..., -h:], tiny_target.embed(b.next_ids).to(got.dtype))

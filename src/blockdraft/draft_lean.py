@@ -63,8 +63,8 @@ class LeanDraft:
         (what DFlashDraftModel.context_kv returns)."""
         cfg = self.config
         b, c, kh = features.shape
-        assert kh == cfg.num_target_features * cfg.hidden_size, (
-            f"features must be [B, C, K*H] with K*H = {cfg.num_target_features * cfg.hidden_size}, got {kh}")
+        assert kh == cfg.num_fused_inputs * cfg.hidden_size, (
+            f"features must be [B, C, K*H] with K*H = {cfg.num_fused_inputs * cfg.hidden_size}, got {kh}")
         ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, cfg.rms_norm_eps)
         n = len(self.layers)
         kv = self.ctx_kv(ctx).view(b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)

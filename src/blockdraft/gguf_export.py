@@ -213,6 +213,9 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
         raise ValueError(f"{draft_dir} is not a DFlash draft (architectures {d.get('architectures')}); only DFlash "
                          f"drafts export to llama.cpp's draft-dflash")
     cfg = DFlashConfig.from_hf_dict(d)
+    if cfg.next_token_feature:
+        raise ValueError(f"{draft_dir} reads the next token's embedding (next_token_feature), an input outside the "
+                         "public DFlash layout that llama.cpp's draft-dflash does not compute")
     if cfg.hidden_act != "silu":
         raise ValueError(f"llama.cpp's DFlash graph runs silu (or gelu) MLPs; this draft has {cfg.hidden_act!r}")
     if not (target_dir / "config.json").is_file():

@@ -44,24 +44,49 @@ class DFlashProposer:
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
         self.lean = lean if isinstance(lean, LeanDraft) else (LeanDraft(draft) if lean else None)
+        # A draft with `next_token_feature` also reads, at each context position, the embedding of the token after
+        # it; for the newest position that token (the next anchor) is only known when drafting starts, so its
+        # features wait in `_pending` until then.
+        self.next_token = cfg.next_token_feature
+        self._pending: list[torch.Tensor] = []
 
-    def _append_context(self, features: torch.Tensor) -> None:
+    def _append_context(self, features: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """features [1, m, K*H] of the next m context positions; next_ids [m]: the tokens after them."""
         start = self.ctx.length
         pos = torch.arange(start, start + features.shape[1], device=features.device).unsqueeze(0)
+        if next_ids is not None:
+            emb = self.target.embed(next_ids.unsqueeze(0))
+            features = torch.cat([features.to(emb.dtype), emb], dim=-1)
         ks, vs = (self.lean or self.draft).context_kv(features, pos)
         self.ctx.append(ks, vs)
+
+    def _add(self, features: torch.Tensor) -> None:
+        if self.next_token:
+            self._pending.append(features)
+        else:
+            self._append_context(features)
+
+    def _flush(self, tokens: torch.Tensor) -> None:
+        """Append the waiting context positions now that `tokens` [n] (through the anchor) are known."""
+        if not self._pending:
+            return
+        feats = torch.cat(self._pending, dim=1) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        start = self.ctx.length
+        self._append_context(feats, tokens[start + 1: start + 1 + feats.shape[1]])
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         self.ctx.reset()
+        self._pending = []
         if self.use_context:
             assert features is not None and features.dim() == 3, "DFlash needs the prompt's features [1, n0, K*H]"
-            self._append_context(features)
+            self._add(features)
 
     @torch.no_grad()
     def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
         assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
-        self._append_context(features)
+        self._add(features)
 
     @torch.no_grad()
     def _draft_logits(self, block: torch.Tensor, start: int) -> torch.Tensor:
@@ -94,6 +119,7 @@ class DFlashProposer:
         g = min(num_draft, self.block_size - 1)
         n = tokens.shape[0]
         assert g >= 1, "at least one position to draft"
+        self._flush(tokens)
         assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
         block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0] = tokens[-1]
@@ -110,6 +136,7 @@ class DFlashProposer:
         if g <= 0:
             return Proposal(tokens.new_zeros(0), None)
         n = tokens.shape[0]
+        self._flush(tokens)
         assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
         block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0] = tokens[-1]

@@ -31,6 +31,7 @@ def valid_anchors(seq: TeacherSequence, max_len: int) -> np.ndarray:
 @dataclass
 class Batch:
     features: torch.Tensor  # [S, L, K*H] bf16
+    next_ids: torch.Tensor  # [S, L] the token after each position (0 past the end): `fused_inputs`
     ctx_len: torch.Tensor  # [S]
     anchors: torch.Tensor  # [S, N]
     block_ids: torch.Tensor  # [S, N*B] anchor token then mask ids
@@ -66,6 +67,7 @@ def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], bloc
     per_seq = cols if isinstance(cols, list) else [cols] * s
     kh = len(per_seq[0])
     feats = torch.zeros(s, seq_len, kh, dtype=torch.bfloat16)
+    next_ids = torch.zeros(s, seq_len, dtype=torch.long)
     anchors = torch.ones(s, n, dtype=torch.long)
     labels = torch.full((s, n * block), IGNORE, dtype=torch.long)
     kd_pos = torch.full((s, n * block), -1, dtype=torch.long)
@@ -79,6 +81,7 @@ def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], bloc
         L = lens[i]
         c = per_seq[i]
         feats[i, :L] = feats_tensor(q, c if len(c) < q.feats.shape[1] else None)[:L]
+        next_ids[i, : L - 1] = torch.from_numpy(np.asarray(q.tokens[1:L], dtype=np.int64))
         if len(a) == 0:
             continue
         at = torch.from_numpy(a)
@@ -101,8 +104,19 @@ def make_batch(seqs: list[TeacherSequence], anchor_lists: list[np.ndarray], bloc
             src = (safe - 1).clamp_min(0).numpy()
             tk_ids[i, rows] = torch.from_numpy(np.asarray(q.topk_ids[src], dtype=np.int64))
             tk_lg[i, rows] = torch.from_numpy(np.asarray(q.topk_logits[src], dtype=np.float32))
-    return Batch(feats, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg,
+    return Batch(feats, next_ids, torch.tensor(lens), anchors, block_ids, labels, kd_pos, offsets, tk_ids, tk_lg,
                  rows=sum(len(a) for a in anchor_lists) * block)
+
+
+def fused_inputs(draft: DFlashDraftModel, target, batch: Batch) -> torch.Tensor:
+    """What the draft's context fusion reads -> [S, L, K*H], or [S, L, (K+1)*H] for a draft with
+    `next_token_feature`: the target's embedding of the token after each position appended. No position sees its
+    own future through it: block rows at anchor p read context c < p, whose next tokens are at most the anchor."""
+    if not draft.config.next_token_feature:
+        return batch.features
+    with torch.no_grad():
+        nxt = target.embed(batch.next_ids)  # in the target's dtype, as the engine's proposer computes it
+    return torch.cat([batch.features.to(nxt.dtype), nxt], dim=-1)
 
 
 class DraftHead:

@@ -565,24 +565,36 @@ def _write_prompts_checked(prompts: list[Prompt], path: Path) -> None:
     write_prompts_jsonl(prompts, path)
 
 
+def pending_of_task(prompts: Sequence[Prompt], task: str, shards: Path) -> list[Prompt]:
+    """The prompts of `task` whose records are not yet in `shards`, in their given order. A task-only run plans its
+    batches over these alone: mixed into the full plan's batches, the records already written would leave batches
+    partly done, and those are regenerated whole."""
+    done = {r["id"] for r in read_shards(shards)} if Path(shards).is_dir() else set()
+    return [p for p in prompts if p.task == task and p.id not in done]
+
+
 def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work/regen", n_sharegpt: int = 6000,
                      n_gsm: int = 3000, max_new_tokens: int = 320, batch_size: int = 16,
                      heldout_fraction: float = 0.02, seed: int = 0, dtype: str = "bf16",
                      max_prompt_tokens: int = 512, temperature: float = 0.0, shard_size: int = 1000,
                      num_threads: int | None = None, extra_jsonl: Sequence[str | Path] = (),
                      heldout: bool = True, max_batches: int | None = None, progress_interval: float = 30.0,
-                     ) -> dict:
+                     only_task: str | None = None) -> dict:
     """Build the training prompt set (`select_regeneration_prompts`) and regenerate its answers with the target.
     Re-running with the same arguments continues where the last run stopped.
 
     Writes `prompts-train.jsonl`, `prompts-heldout.jsonl` and `prompt-set.json` (report + arguments) to `out_dir`,
     then regenerates the held-out prompts into `out_dir/shards-heldout/` (small, done first) and the train prompts
     into `out_dir/shards/`. Returns {"summary": ..., "results": {"heldout": RegenReport, "train": RegenReport}}.
+    only_task: regenerate only the train prompts of this task ("sharegpt", "gsm", "jsonl") not yet written, into the
+    same shards: the prompt files still list the whole set, and a later run without it skips what is done.
     """
     import torch
 
     from blockdraft.loading import load_hf_target
 
+    if only_task not in (None, "sharegpt", "gsm", "jsonl"):
+        raise ValueError(f"only_task must be sharegpt, gsm or jsonl, got {only_task!r}")
     if num_threads:
         torch.set_num_threads(num_threads)
     out_dir = Path(out_dir)
@@ -605,6 +617,8 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
               max_prompt_tokens=max_prompt_tokens, shard_size=shard_size, seed=seed,
               progress_interval=progress_interval)
+    if only_task is not None:
+        train = pending_of_task(train, only_task, out_dir / "shards")
     results = {}
     if held:
         results["heldout"] = regenerate(model, tokenizer, held, out_dir / "shards-heldout", max_batches=max_batches,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..draft import DFlashConfig, DFlashDraftModel
-from .batches import Batch, DraftHead, make_batch, valid_anchors
+from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
 from .curve import evaluate, heldout_anchors, walk_tau  # noqa: F401 (re-exported)
 from .teacher import TeacherCache
@@ -67,6 +67,8 @@ class FastConfig:
     #                            the target itself would have written (always so on target-written records; on
     #                            teacher-forced human text only those rows are what decoding would ever verify)
     draft_vocab_size: int = 8192
+    next_token_feature: bool = False  # the fusion also reads each context position's next-token embedding (a
+    #                                   departure from the public layout: `DFlashConfig.next_token_feature`)
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
     max_len: int = 512
     seed: int = 0
@@ -111,7 +113,7 @@ def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, c
     block = cfg.train_block
     with torch.no_grad():
         embeds = target.embed(batch.block_ids)
-    hidden = block_forward(draft, batch.features, batch.ctx_len, embeds, batch.anchors, block)
+    hidden = block_forward(draft, fused_inputs(draft, target, batch), batch.ctx_len, embeds, batch.anchors, block)
     valid = batch.labels >= 0
     h = hidden[valid]
     lab = head.map[batch.labels[valid]]  # -1 where the greedy token is outside the draft vocabulary
@@ -170,12 +172,18 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherC
             log.info("appending %d identity-initialised layers to %s", cfg.num_layers - draft.config.num_hidden_layers,
                      cfg.init)
             draft = draft.with_extra_layers(target, cfg.num_layers - draft.config.num_hidden_layers)
+        if draft.config.next_token_feature and not cfg.next_token_feature:
+            raise ValueError(f"{cfg.init} reads the next token's embedding; continue it with --next-token-feature true")
+        if cfg.next_token_feature and not draft.config.next_token_feature:
+            log.info("adding the next-token input to the fusion of %s (its columns start at zero)", cfg.init)
+            draft = draft.with_next_token_feature()
         return draft.train()
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
                                     mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
                                     else default_mask_token_id(target.tokenizer, target.vocab_size),
-                                    target_layer_ids=list(cfg.layer_ids), draft_vocab_size=cfg.draft_vocab_size)
+                                    target_layer_ids=list(cfg.layer_ids), draft_vocab_size=cfg.draft_vocab_size,
+                                    next_token_feature=cfg.next_token_feature)
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
     if cfg.init in ("target", "target-identity"):
         draft.init_layers_from_target(target)
