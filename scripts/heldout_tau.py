@@ -80,8 +80,9 @@ def main() -> int:
             if s.position_trials:
                 first[0] += s.position_accepted[0]
                 first[1] += s.position_trials[0]
-        row = {"draft": name, "path": path, "set": args.set, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "tau": committed / max(1, steps), "position1_acceptance": first[0] / max(1, first[1])}
+        row = {"draft": name, "path": path, "set": args.set, "prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "tau": committed / max(1, steps),
+               "position1_acceptance": first[0] / max(1, first[1])}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
