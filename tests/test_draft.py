@@ -181,12 +181,13 @@ def test_next_token_feature_round_trips_and_stays_out_of_the_public_layout(tmp_p
     with the wider fusion, and GGUF export for llama.cpp refuses such a draft with a clear error."""
     from blockdraft.gguf_export import export_draft_gguf
 
-    draft = tiny_draft(llama_target, layers=1).with_next_token_feature()
+    draft = tiny_draft(llama_target, layers=1).with_next_token_feature(scale=50.0)
     draft.save_pretrained(tmp_path / "d", dtype=torch.float32)
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["blockdraft"]["next_token_feature"] is True and "next_token_feature" not in cfg["dflash_config"]
     loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
     assert loaded.config.next_token_feature and loaded.config.extra.get("next_token_feature") is None
+    assert loaded.config.next_token_scale == 50.0 and "next_token_scale" not in loaded.config.extra
     assert loaded.fc.weight.shape[1] == (draft.config.num_target_features + 1) * llama_target.hidden_size
     with pytest.raises(ValueError, match="next token"):
         export_draft_gguf(tmp_path / "d", tmp_path / "none.gguf", tmp_path, tmp_path / "out.gguf")

@@ -88,7 +88,7 @@ def test_next_token_feature_pairs_each_context_position_with_the_token_after_it(
     """A draft with next_token_feature: the proposer's context keys/values equal the draft's own context_kv over
     [features at i ; embedding of token i+1] (the naive pairing), across start, accept and two proposals; the
     newest position's next token is the anchor, known only when drafting starts."""
-    draft = _trained_looking(tiny_draft(llama_target, layers=2, block_size=6).with_next_token_feature())
+    draft = _trained_looking(tiny_draft(llama_target, layers=2, block_size=6).with_next_token_feature(scale=7.0))
     tokens = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(5))
     llama_target.set_layer_ids(tuple(draft.config.target_layer_ids))
     feats = llama_target.forward(tokens.unsqueeze(0), None).features  # [1, 14, K*H]
@@ -97,7 +97,7 @@ def test_next_token_feature_pairs_each_context_position_with_the_token_after_it(
     p.propose(tokens[:9], 5, SamplingParams(), None)
     p.accept(feats[:, 8:11], 3)  # the anchor and two accepted drafts; tokens[11] is the new anchor
     p.propose(tokens[:12], 5, SamplingParams(), None)
-    fused = torch.cat([feats[:, :11], llama_target.embed(tokens[1:12].unsqueeze(0))], dim=-1)
+    fused = torch.cat([feats[:, :11], 7.0 * llama_target.embed(tokens[1:12].unsqueeze(0))], dim=-1)
     ks, vs = draft.context_kv(fused, torch.arange(11).unsqueeze(0))
     assert p.ctx.length == 11
     for i in range(draft.config.num_hidden_layers):

@@ -381,3 +381,5 @@ def test_batch_next_ids_are_the_tokens_after_each_position(tiny_target, tmp_path
     h = tiny_target.hidden_size
     assert torch.equal(got[..., :-h], b.features.to(got.dtype))
     assert torch.equal(got[..., -h:], tiny_target.embed(b.next_ids).to(got.dtype))
+    scaled = fused_inputs(draft.with_next_token_feature(scale=3.0), tiny_target, b)
+    assert torch.equal(scaled[..., -h:], 3.0 * tiny_target.embed(b.next_ids).to(got.dtype))

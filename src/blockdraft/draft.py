@@ -227,18 +227,24 @@ class DFlashDraftModel(nn.Module):
         return new.train(self.training)
 
     @torch.no_grad()
-    def with_next_token_feature(self) -> "DFlashDraftModel":
-        """A copy whose fusion also reads the next token's embedding (`DFlashConfig.next_token_feature`), with
-        those columns at zero: it computes exactly what this draft computes until training moves them."""
+    def with_next_token_feature(self, scale: float = 1.0) -> "DFlashDraftModel":
+        """A copy whose fusion also reads the next token's embedding times `scale` (`DFlashConfig.next_token_feature`),
+        with those columns at zero: it computes exactly what this draft computes until training moves them."""
         if self.config.next_token_feature:
             return self
-        cfg = replace(self.config, next_token_feature=True, extra=dict(self.config.extra))
+        cfg = replace(self.config, next_token_feature=True, next_token_scale=float(scale),
+                      extra=dict(self.config.extra))
         new = type(self)(cfg).to(self.fc.weight.dtype)
         state = dict(self.state_dict())
         state["fc.weight"] = torch.cat([self.fc.weight, self.fc.weight.new_zeros(cfg.hidden_size, cfg.hidden_size)],
                                        dim=1)
         new.load_state_dict(state)
         return new.train(self.training)
+
+    def next_token_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The fusion's next-token input from the target's embeddings of those tokens (training and decoding both
+        build it here, so they cannot disagree on the scale)."""
+        return embeds * self.config.next_token_scale
 
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """target_ids [Vd]: the distinct target tokens the draft may propose (sorted here)."""

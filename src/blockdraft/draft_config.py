@@ -54,6 +54,10 @@ class DFlashConfig:
     # attention hop can. The fusion's weight then has one more H-wide block of columns, last; vLLM/SGLang/llama.cpp
     # cannot load such a draft (export refuses it).
     next_token_feature: bool = False
+    # That input is the embedding times this factor: token embeddings are ~200x smaller than tapped features (median
+    # RMS 0.12 vs 2.7 / 27 on SmolLM2), and Adam moves every fusion weight by about the same step, so unscaled the
+    # input barely registers behind the fusion's RMSNorm.
+    next_token_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -129,7 +133,8 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": self.target_layer_ids, "mask_token_id": self.mask_token_id,
                               "block_size": self.block_size},
-            "blockdraft": dict(self.extra, next_token_feature=True) if self.next_token_feature else self.extra,
+            "blockdraft": (dict(self.extra, next_token_feature=True, next_token_scale=self.next_token_scale)
+                           if self.next_token_feature else self.extra),
         }
 
     @classmethod
@@ -145,6 +150,7 @@ class DFlashConfig:
         heads = int(d["num_attention_heads"])
         extra = dict(d.get("blockdraft") or {})
         next_token = bool(extra.pop("next_token_feature", False))
+        next_scale = float(extra.pop("next_token_scale", 1.0))
         return cls(
             hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
@@ -156,5 +162,5 @@ class DFlashConfig:
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=extra, draft_vocab_size=d.get("draft_vocab_size"),
-            next_token_feature=next_token,
+            next_token_feature=next_token, next_token_scale=next_scale,
         )

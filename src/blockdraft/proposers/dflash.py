@@ -55,7 +55,7 @@ class DFlashProposer:
         start = self.ctx.length
         pos = torch.arange(start, start + features.shape[1], device=features.device).unsqueeze(0)
         if next_ids is not None:
-            emb = self.target.embed(next_ids.unsqueeze(0))
+            emb = self.draft.next_token_input(self.target.embed(next_ids.unsqueeze(0)))
             features = torch.cat([features.to(emb.dtype), emb], dim=-1)
         ks, vs = (self.lean or self.draft).context_kv(features, pos)
         self.ctx.append(ks, vs)

@@ -115,7 +115,7 @@ def fused_inputs(draft: DFlashDraftModel, target, batch: Batch) -> torch.Tensor:
     if not draft.config.next_token_feature:
         return batch.features
     with torch.no_grad():
-        nxt = target.embed(batch.next_ids)  # in the target's dtype, as the engine's proposer computes it
+        nxt = draft.next_token_input(target.embed(batch.next_ids))  # in the target's dtype, as the proposer
     return torch.cat([batch.features.to(nxt.dtype), nxt], dim=-1)
 
 

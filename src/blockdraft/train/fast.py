@@ -69,6 +69,7 @@ class FastConfig:
     draft_vocab_size: int = 8192
     next_token_feature: bool = False  # the fusion also reads each context position's next-token embedding (a
     #                                   departure from the public layout: `DFlashConfig.next_token_feature`)
+    next_token_scale: float = 1.0  # ... times this factor, when the input is added
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
     max_len: int = 512
     seed: int = 0
@@ -176,14 +177,15 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherC
             raise ValueError(f"{cfg.init} reads the next token's embedding; continue it with --next-token-feature true")
         if cfg.next_token_feature and not draft.config.next_token_feature:
             log.info("adding the next-token input to the fusion of %s (its columns start at zero)", cfg.init)
-            draft = draft.with_next_token_feature()
+            draft = draft.with_next_token_feature(cfg.next_token_scale)
         return draft.train()
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
                                     mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
                                     else default_mask_token_id(target.tokenizer, target.vocab_size),
                                     target_layer_ids=list(cfg.layer_ids), draft_vocab_size=cfg.draft_vocab_size,
-                                    next_token_feature=cfg.next_token_feature)
+                                    next_token_feature=cfg.next_token_feature,
+                                    next_token_scale=cfg.next_token_scale)
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
     if cfg.init in ("target", "target-identity"):
         draft.init_layers_from_target(target)
