@@ -3,7 +3,9 @@
 Why not `model.generate`: on this project's CPUs a bf16 forward over 32 rows costs barely more than over one (AMX),
 so throughput scales with the batch, and the lean path (fused prepacked weights, preallocated cache written in place)
 does each step in a fraction of HF's time: the regeneration of training answers ran at ~270 tokens/s here (batch 64,
-2 threads) against 58-77 with `model.generate`.
+2 threads) against 58-77 with `model.generate`. Each decode step's attention (64 single queries under a padding mask)
+goes through `lean.grouped_decode_attention`: torch's flash kernel spent ~7 ms per layer on it, 72% of the step; with
+it, a 64-row step after 200 tokens takes 127 ms instead of 296 (math regeneration: 297 tokens/s end to end).
 
 Rows are left-padded to one width; `positions` count real tokens only and a key mask hides the padding slots, so a
 row computes what it would alone, up to bf16 rounding of batched products (training data need not be bit-exact;

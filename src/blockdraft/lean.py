@@ -8,7 +8,9 @@ weights but
 - fuses q/k/v into one projection and gate/up into one (two matmuls fewer per layer, one read of the input);
 - prepacks every bf16 weight for oneDNN once (`Linear`), the target's LM head included (see TargetModel.logits);
 - writes keys/values in place into a `KVCache` (crop = move a length pointer; no `torch.cat` per step);
-- computes RoPE once per forward for all layers and taps the feature layers directly (no hooks).
+- computes RoPE once per forward for all layers and taps the feature layers directly (no hooks);
+- attends single-query steps (plain decoding, batched regeneration) with one grouped matmul per key/value head
+  instead of torch's flash kernel, which is slow for one query (`grouped_decode_attention`).
 `compile=True` additionally runs each layer's two dense halves through `torch.compile` (fixed shapes per query
 width; attention stays eager because the key length grows). Measured on SmolLM2 it compiled for about a minute per
 query width and was not faster than the eager prepacked path, so it is off by default.
@@ -68,6 +70,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """x [B, H, T, D], cos/sin [B, 1, T, D] -> x rotated (HF's rotate_half convention)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+GROUPED_MIN_KEYS = 256  # single-row decode steps attend through grouped_decode_attention from this many keys on
+
+
+def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per row: q [B, Hq, 1, D], keys/values [B, Hkv, S, D], key_mask [B, 1, 1, S] bool (True = a real
+    token; None = every key) -> [B, Hq, 1, D], what `F.scaled_dot_product_attention(..., enable_gqa=True)` computes.
+
+    Why: torch's CPU flash kernel is slow for a single query. Measured per layer on this CPU (bf16, 2 threads): 64
+    masked rows x 200 keys 6.7 ms against 0.7 ms here (it was 72% of a batched regeneration step); one row x 300 /
+    800 keys 0.18 / 0.45 ms against 0.09 / 0.11 ms (10-30% of a plain decode step). Here the query heads of one
+    key/value group are the rows of one matmul. Scores and softmax run in fp32, as the flash kernel accumulates.
+    At 4-16 queries the flash kernel is the faster one, so only single-query steps come here."""
+    b, hq, t, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    assert t == 1 and hq % hkv == 0 and (key_mask is None or key_mask.shape == (b, 1, 1, s)), (
+        f"expects q [B, Hq, 1, D] with Hq a multiple of Hkv and key_mask [B, 1, 1, S]: {tuple(q.shape)}, "
+        f"{tuple(keys.shape)}, {None if key_mask is None else tuple(key_mask.shape)}")
+    scores = torch.matmul(q.reshape(b, hkv, hq // hkv, d) * d ** -0.5, keys.transpose(-1, -2)).float()
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, float("-inf"))  # [B, Hkv, G, S]; broadcasts over Hkv and G
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values).view(b, hq, 1, d)
 
 
 def _cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -140,6 +166,9 @@ class LeanDecoder:
         # them; prefills and short end-of-generation blocks stay eager rather than trigger a recompile each
         self.compile_widths = tuple(compile_widths)
         self.compiled = bool(compile) and self._compile()
+        # single-query steps attend through `grouped_decode_attention` (faster here); False = torch's SDPA kernel,
+        # kept to measure the difference (scripts/decode_attention_bench.py)
+        self.grouped_single_query = True
 
     @staticmethod
     def supports(hf_model: nn.Module) -> str | None:
@@ -212,13 +241,20 @@ class LeanDecoder:
             assert key_mask.shape == (b, total), f"key_mask must be [B, {total}], got {tuple(key_mask.shape)}"
             km = key_mask[:, None, None, :]  # [B, 1, 1, total]
             mask = km if mask is None else (mask[None, None] & km)
+        # a decode step: a padded batch from batchgen.py, or one row from GROUPED_MIN_KEYS keys on (below, torch's
+        # kernel was as fast or faster: 0.95-1.00x at 64-128 keys, 0.96x at 160-224; scripts/decode_attention_bench.py)
+        single = (t == 1 and tree_mask is None and self.grouped_single_query
+                  and (key_mask is not None or total >= GROUPED_MIN_KEYS))
         taps: dict[int, torch.Tensor] = {}
         fast = self.compiled and t in self.compile_widths
         qkv_fns, out_fns = (self._qkv, self._out) if fast else (self._qkv_eager, self._out_eager)
         for i in range(len(self.layers)):
             q, k, v = qkv_fns[i](x, cos, sin)
             keys, values = cache.write(i, k, v)  # [B, Hkv, total, D], the new positions included
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            if single:
+                attn = grouped_decode_attention(q, keys, values, mask)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = out_fns[i](x, attn.transpose(1, 2).reshape(b, t, -1))
             if i in tap:
                 taps[i] = x
