@@ -241,8 +241,9 @@ class LeanDecoder:
             assert key_mask.shape == (b, total), f"key_mask must be [B, {total}], got {tuple(key_mask.shape)}"
             km = key_mask[:, None, None, :]  # [B, 1, 1, total]
             mask = km if mask is None else (mask[None, None] & km)
-        # a decode step: a padded batch from batchgen.py, or one row from GROUPED_MIN_KEYS keys on (below, torch's
-        # kernel was as fast or faster: 0.95-1.00x at 64-128 keys, 0.96x at 160-224; scripts/decode_attention_bench.py)
+        # a decode step: a padded batch from batchgen.py, or one row from GROUPED_MIN_KEYS keys on (below, the two
+        # measured alike, 0.95-1.07x within this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064:
+        # scripts/decode_attention_bench.py)
         single = (t == 1 and tree_mask is None and self.grouped_single_query
                   and (key_mask is not None or total >= GROUPED_MIN_KEYS))
         taps: dict[int, torch.Tensor] = {}
