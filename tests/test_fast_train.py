@@ -313,17 +313,26 @@ def test_a_continued_draft_may_gain_taps_and_layers_but_not_lose_taps(tiny_targe
     nxt.save_pretrained(tmp_path / "saved-nxt")
     with pytest.raises(ValueError, match="next-token-feature"):  # dropping the input would change the function
         make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved-nxt")), tiny_target, cache)
+    gated = make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), copy_gate=True), tiny_target, cache)
+    assert gated.config.copy_gate and not gated.copy_gate.table.any() and not gated.copy_gate.w.any()
+    gated.save_pretrained(tmp_path / "saved-gate")
+    with pytest.raises(ValueError, match="copy-gate"):
+        make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved-gate")), tiny_target, cache)
 
 
-@pytest.mark.parametrize("next_token", [False, True], ids=["layout", "next-token-feature"])
-def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path, next_token):
+@pytest.mark.parametrize("next_token,copy_gate", [(False, False), (True, False), (False, True)],
+                         ids=["layout", "next-token-feature", "copy-gate"])
+def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path, next_token, copy_gate,
+                                                          monkeypatch):
     """Training's replay (walk_lengths) and the engine's real decoding agree: on the text the engine wrote, the walk
     visits the same anchors and commits the same tokens per step. This ties the learning curve to what decoding
     will do (the training side's batched block attention over cached features vs the engine's KV-cached proposer;
-    with `next_token_feature`, also the two ways of pairing each context position with the token after it).
+    with `next_token_feature`, also the two ways of pairing each context position with the token after it; with a
+    copy gate, training's lookup table against decoding's per-step lookup and the two scorings).
     The draft is trained for a few steps on the target's own text first, so that blocks get accepted. fp32 on both
     sides; the cache keeps features rounded to bf16, so a near-tie may flip a step: at most 1 in 10 may differ."""
     from blockdraft.config import GenerationConfig
+    from blockdraft.proposers.lookup import lookup_continuation, lookup_table
     from blockdraft.draft import DFlashDraftModel
     from blockdraft.engine import SpeculativeEngine
     from blockdraft.proposers.dflash import DFlashProposer
@@ -343,17 +352,31 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     with seeded(15):
         train_fast(_fast_cfg(tmp_path, cache=own, heldout_cache=own, steps=40, anchors=0, kd_weight=0.0,
                              draft_vocab_size=VOCAB, eval_every=1000, save_every=1000, walk_seqs=0,
-                             next_token_feature=next_token), tiny_target)
+                             next_token_feature=next_token, copy_gate=copy_gate), tiny_target)
     draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft", dtype=torch.float32).eval()
-    assert draft.config.next_token_feature == next_token
+    assert draft.config.next_token_feature == next_token and draft.config.copy_gate == copy_gate
+    real, seen = [], []
+    if copy_gate:  # trained (its own learning rate), so a misaligned candidate would change the proposals; random
+        #            text repeats 1- and 2-grams only, so only those rows of the table move
+        assert float(draft.copy_gate.table.detach()[:2, 1:4].abs().min()) > 0.02
+        with torch.no_grad():  # random text rarely repeats: raise the bonus so that candidates decide many rows
+            draft.copy_gate.table.add_(3.0)
+        import blockdraft.proposers.dflash as dflash_module
+
+        def recording(tokens, num, *a, **kw):
+            cont, n = lookup_continuation(tokens, num, *a, **kw)
+            seen.append((len(real), tokens.numel(), num, cont.tolist(), n))
+            return cont, n
+
+        monkeypatch.setattr(dflash_module, "lookup_continuation", recording)
     if next_token:  # the input was trained, so a misaligned next token would change the proposals
         assert float(draft.fc.weight.detach()[:, -draft.config.hidden_size:].abs().sum()) > 0
     eng = SpeculativeEngine(tiny_target, DFlashProposer(draft, tiny_target, block_size=4))
-    real = []
     for p, rec in zip(prompts, records):
         res = eng.generate(p, cfg)
         assert p + res.token_ids == rec["input_ids"]  # lossless: the walk replays the same text
         real.append(res.stats.accept_lengths)
+    real_steps = [a for r in real for a in r]
     cache = TeacherCache(tmp_path / "own")
     walked = walk_lengths(draft, tiny_target, DraftHead(tiny_target, draft), cache.sequences, cache.columns([1, 3]),
                           512, block=4, dtype=torch.float32)
@@ -361,6 +384,12 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     pairs = [(w[0], r) for seq_w, seq_r in zip(walked, real) for w, r in zip(seq_w[:-1], seq_r[:-1])]
     assert len(pairs) > 30 and sum(r > 1 for _, r in pairs) >= 10  # drafts were accepted: the skipping is tested
     assert sum(w != r for w, r in pairs) <= len(pairs) // 10, pairs
+    if copy_gate:  # the candidates decoding scored at every step are the training table's rows at that anchor
+        # (a generation's last step drafts nothing when one token is left to write)
+        assert len(real_steps) - len(prompts) <= len(seen) <= len(real_steps)
+        for i, length, num, cont, n in seen:
+            tab, nt = lookup_table(np.asarray(records[i]["input_ids"]), 3)
+            assert n == nt[length - 1] and cont == [x for x in tab[length - 1, :num] if x >= 0], (i, length)
 
 
 def test_batch_next_ids_are_the_tokens_after_each_position(tiny_target, tmp_path):

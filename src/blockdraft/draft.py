@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .copy_gate import GATE_WEIGHTS_NAME, CopyGate
 from .draft_config import DFlashConfig, default_target_layer_ids  # noqa: F401 (re-exported)
 
 CONFIG_NAME = "config.json"
@@ -135,6 +136,8 @@ class DFlashDraftModel(nn.Module):
         if cfg.draft_vocab_size is not None:
             # target id = draft id + d2t[draft id] (vLLM's convention for reduced draft vocabularies)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        # blockdraft's extension (off by default): a bonus on prompt lookup's candidate token (copy_gate.py)
+        self.copy_gate = CopyGate(cfg.hidden_size, cfg.block_size) if cfg.copy_gate else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -241,6 +244,29 @@ class DFlashDraftModel(nn.Module):
         new.load_state_dict(state)
         return new.train(self.training)
 
+    @torch.no_grad()
+    def with_copy_gate(self) -> "DFlashDraftModel":
+        """A copy with a copy gate whose bonus starts at zero (`copy_gate.py`): over its vocabulary it scores exactly
+        what this draft scores until training moves the gate."""
+        if self.config.copy_gate:
+            return self
+        cfg = replace(self.config, copy_gate=True, extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        new.load_state_dict({**self.state_dict(), **{f"copy_gate.{k}": v for k, v in
+                                                     new.copy_gate.state_dict().items()}})
+        new.copy_gate.float()
+        return new.train(self.training)
+
+    @torch.no_grad()
+    def without_copy_gate(self) -> "DFlashDraftModel":
+        """The public-layout part alone (what vLLM, SGLang and llama.cpp run from this draft's model.safetensors)."""
+        if not self.config.copy_gate:
+            return self
+        cfg = replace(self.config, copy_gate=False, extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        new.load_state_dict({k: v for k, v in self.state_dict().items() if not k.startswith("copy_gate.")})
+        return new.train(self.training)
+
     def next_token_input(self, embeds: torch.Tensor) -> torch.Tensor:
         """The fusion's next-token input from the target's embeddings of those tokens (training and decoding both
         build it here, so they cannot disagree on the scale)."""
@@ -312,17 +338,37 @@ class DFlashDraftModel(nn.Module):
 
     # ----------------------------------------------------------------------------------------- save / load
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        """Write config.json + model.safetensors in the public DFlash layout (no embedding, no LM head)."""
-        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)) for k, v in self.state_dict().items()}
+        """Write config.json + model.safetensors in the public DFlash layout (no embedding, no LM head); a copy gate
+        goes to its own file (fp32: a few thousand numbers, and its bonuses are compared at logit scale)."""
+        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)) for k, v in self.state_dict().items()
+                 if not k.startswith("copy_gate.")}
         write_draft_dir(out_dir, state, self.config.to_hf_dict())
+        gate_path = Path(out_dir) / GATE_WEIGHTS_NAME
+        if self.copy_gate is not None:
+            from safetensors.torch import save_file
+
+            tmp = gate_path.with_suffix(".tmp")
+            save_file({k: v.detach().float().contiguous() for k, v in self.copy_gate.state_dict().items()}, str(tmp))
+            tmp.replace(gate_path)
+        elif gate_path.exists():  # a stale gate from an earlier save into the same directory
+            gate_path.unlink()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> "DFlashDraftModel":
         d, state = read_draft_dir(path)
         model = cls(DFlashConfig.from_hf_dict(d))
+        if model.copy_gate is not None:
+            gate_path = Path(path) / GATE_WEIGHTS_NAME
+            if not gate_path.is_file():
+                raise FileNotFoundError(f"{path} declares a copy gate (blockdraft.copy_gate) but has no "
+                                        f"{GATE_WEIGHTS_NAME}")
+            _, gate = read_draft_dir(path, weights=GATE_WEIGHTS_NAME)
+            state = {**state, **{f"copy_gate.{k}": v for k, v in gate.items()}}
         load_checked(model, state, Path(path) / WEIGHTS_NAME)
         model = model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
+        if model.copy_gate is not None:  # fp32 whatever the draft's dtype (its bonuses sit at logit scale)
+            model.copy_gate.float().load_state_dict({k: v.float() for k, v in gate.items()})
         if "d2t" in state:  # .to(dtype) leaves integer buffers alone, but be explicit about the mapping's type
             model.d2t = model.d2t.long()
         return model.eval()
@@ -364,8 +410,9 @@ def write_draft_dir(out_dir: str | Path, state: dict[str, torch.Tensor], config:
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def read_draft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """-> (config.json as a dict, the safetensors state), with a clear error for a missing or corrupt file."""
+def read_draft_dir(path: str | Path, weights: str = WEIGHTS_NAME) -> tuple[dict, dict[str, torch.Tensor]]:
+    """-> (config.json as a dict, the safetensors state of `weights`), with a clear error for a missing or corrupt
+    file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -376,12 +423,12 @@ def read_draft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         d = json.loads((p / CONFIG_NAME).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
-    if not (p / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"{p} has no {WEIGHTS_NAME}")
+    if not (p / weights).is_file():
+        raise FileNotFoundError(f"{p} has no {weights}")
     try:
-        state = load_file(str(p / WEIGHTS_NAME))
+        state = load_file(str(p / weights))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{p / WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
+        raise ValueError(f"{p / weights} is not a readable safetensors file: {e}") from None
     return d, state
 
 

@@ -58,6 +58,9 @@ class DFlashConfig:
     # RMS 0.12 vs 2.7 / 27 on SmolLM2), and Adam moves every fusion weight by about the same step, so unscaled the
     # input barely registers behind the fusion's RMSNorm.
     next_token_scale: float = 1.0
+    # blockdraft's copy gate (`copy_gate.py`, off by default): a learned bonus on the logit of the token prompt lookup
+    # would copy. Its weights live in their own file, so the draft's model.safetensors keeps the public layout.
+    copy_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -133,9 +136,16 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": self.target_layer_ids, "mask_token_id": self.mask_token_id,
                               "block_size": self.block_size},
-            "blockdraft": (dict(self.extra, next_token_feature=True, next_token_scale=self.next_token_scale)
-                           if self.next_token_feature else self.extra),
+            "blockdraft": self._extra_dict(),
         }
+
+    def _extra_dict(self) -> dict:
+        d = dict(self.extra)
+        if self.next_token_feature:
+            d.update(next_token_feature=True, next_token_scale=self.next_token_scale)
+        if self.copy_gate:
+            d["copy_gate"] = True
+        return d
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DFlashConfig":
@@ -151,6 +161,7 @@ class DFlashConfig:
         extra = dict(d.get("blockdraft") or {})
         next_token = bool(extra.pop("next_token_feature", False))
         next_scale = float(extra.pop("next_token_scale", 1.0))
+        copy_gate = bool(extra.pop("copy_gate", False))
         return cls(
             hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
@@ -162,5 +173,5 @@ class DFlashConfig:
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=extra, draft_vocab_size=d.get("draft_vocab_size"),
-            next_token_feature=next_token, next_token_scale=next_scale,
+            next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate,
         )

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 ARCH = "dflash"
 FILE_TYPE = {"bf16": 32, "f32": 0}  # llama.cpp's LLAMA_FTYPE_MOSTLY_BF16 / ALL_F32 (general.file_type)
@@ -216,6 +219,10 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     if cfg.next_token_feature:
         raise ValueError(f"{draft_dir} reads the next token's embedding (next_token_feature), an input outside the "
                          "public DFlash layout that llama.cpp's draft-dflash does not compute")
+    if cfg.copy_gate:  # the layout part is complete without it: llama.cpp drafts with the plain head
+        log.warning("%s has a copy gate (%s): blockdraft's own extension, which llama.cpp does not compute; the "
+                    "exported draft proposes without it (fewer accepted tokens where prompt lookup would copy)",
+                    draft_dir, "copy_gate.safetensors")
     if cfg.hidden_act != "silu":
         raise ValueError(f"llama.cpp's DFlash graph runs silu (or gelu) MLPs; this draft has {cfg.hidden_act!r}")
     if not (target_dir / "config.json").is_file():

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from ..cache import KVCache
 from ..config import SamplingParams
+from ..copy_gate import gated_ids, gated_logits, gated_probs_to_vocab
 from ..draft import DFlashDraftModel, check_compatible
 from ..draft_lean import LeanDraft
 from ..lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
 from . import Proposal
+from .lookup import lookup_continuation
 
 
 class DFlashProposer:
@@ -49,6 +52,12 @@ class DFlashProposer:
         # features wait in `_pending` until then.
         self.next_token = cfg.next_token_feature
         self._pending: list[torch.Tensor] = []
+        # A draft with a copy gate (copy_gate.py) also scores prompt lookup's continuation of the committed tokens.
+        self.gate = draft.copy_gate
+        self._vocab_map = None
+        if self.gate is not None and self.vocab_ids is not None:
+            self._vocab_map = torch.full((target.vocab_size,), -1, dtype=torch.long, device=target.device)
+            self._vocab_map[self.vocab_ids] = torch.arange(self.vocab_ids.numel(), device=target.device)
 
     def _append_context(self, features: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
         """features [1, m, K*H] of the next m context positions; next_ids [m]: the tokens after them."""
@@ -89,9 +98,35 @@ class DFlashProposer:
         self._add(features)
 
     @torch.no_grad()
-    def _draft_logits(self, block: torch.Tensor, start: int) -> torch.Tensor:
+    def _scores(self, tokens: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, Callable, Callable]:
+        """tokens [n] committed, block [g+1] (anchor = tokens[-1], then MASK or fixed tokens) -> (scores [g, Vs]
+        fp32, to_ids: column indices [...] -> target ids, to_vocab: [g, Vs] probabilities -> [g, V]). Vs = Vd, or
+        Vd + 1 with a copy gate (its last column: a lookup candidate outside the draft vocabulary)."""
+        g = block.shape[0] - 1
+        hidden, logits = self._draft_logits(block, tokens.shape[0] - 1, with_hidden=True)
+        logits = logits.float()
+        vocab_ids, v = self.vocab_ids, self.target.vocab_size
+        if self.gate is None:
+            if vocab_ids is None:
+                return logits, (lambda i: i), (lambda p: p)
+            return (logits, (lambda i: vocab_ids[i]),
+                    (lambda p: p.new_zeros(p.shape[0], v).index_copy_(1, vocab_ids, p)))
+        cont, n = lookup_continuation(tokens, g)
+        copy = torch.full((g,), -1, dtype=torch.long, device=tokens.device)
+        copy[: cont.numel()] = cont
+        k = torch.arange(1, g + 1, device=tokens.device)
+        scores = gated_logits(logits, hidden, self.gate, copy, torch.full_like(k, max(n, 1)), k,
+                              self.target.lm_head.weight, self._vocab_map,
+                              softcap=getattr(self.target, "_softcap", None))
+        vd = logits.shape[1]
+        return (scores, (lambda i: gated_ids(i, copy, vocab_ids, vd)),
+                (lambda p: gated_probs_to_vocab(p, copy, vocab_ids, v)))
+
+    @torch.no_grad()
+    def _draft_logits(self, block: torch.Tensor, start: int, with_hidden: bool = False):
         """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> logits [Q-1, Vd] for
-        positions 1..Q-1 of the block (row j predicts block[j+1]); Vd = V unless the draft vocabulary is reduced."""
+        positions 1..Q-1 of the block (row j predicts block[j+1]); Vd = V unless the draft vocabulary is reduced.
+        with_hidden: (the draft's final-normed hidden states [Q-1, H], logits)."""
         pos = torch.arange(start, start + block.shape[0], device=block.device).unsqueeze(0)
         embeds = self.target.embed(block.unsqueeze(0))
         if self.lean is not None:
@@ -101,14 +136,16 @@ class DFlashProposer:
             vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
             hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
         if self.vocab_ids is None or getattr(self.target, "_softcap", None):
-            return self.target.logits(hidden, self.vocab_ids)
-        if self._head is None:
-            # gathering V' rows of the head at every step costs more than the product itself: do it once
-            lm = self.target.lm_head
-            bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
-            self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
-                                                                                         lm.weight.device))
-        return self._head(hidden)
+            logits = self.target.logits(hidden, self.vocab_ids)
+        else:
+            if self._head is None:
+                # gathering V' rows of the head at every step costs more than the product itself: do it once
+                lm = self.target.lm_head
+                bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
+                self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
+                                                                                             lm.weight.device))
+            logits = self._head(hidden)
+        return (hidden, logits) if with_hidden else logits
 
     @torch.no_grad()
     def distributions(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams) -> torch.Tensor:
@@ -123,11 +160,8 @@ class DFlashProposer:
         assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
         block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0] = tokens[-1]
-        logits = self._draft_logits(block, n - 1).float()  # [g, Vd]
-        probs = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
-        if self.vocab_ids is None:
-            return probs
-        return probs.new_zeros(g, self.target.vocab_size).index_copy_(1, self.vocab_ids, probs)
+        scores, _, to_vocab = self._scores(tokens, block)  # [g, Vs]
+        return to_vocab(scores.softmax(-1) if sampling.greedy else logits_to_probs(scores, sampling))
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
@@ -145,23 +179,21 @@ class DFlashProposer:
         fixed = torch.zeros(g, dtype=torch.bool, device=tokens.device)
         steps = min(self.denoise_steps, g)
         for s in range(steps):
-            logits = self._draft_logits(block, n - 1).float()  # [g, Vd]
+            scores, to_ids, to_vocab = self._scores(tokens, block)  # [g, Vs]
             if sampling.greedy and steps == 1:
-                cand, conf, probs = logits.argmax(-1), None, None  # one pass: no confidence ranking needed
+                cand, conf, probs = scores.argmax(-1), None, None  # one pass: no confidence ranking needed
             elif sampling.greedy:
-                conf, cand = logits.softmax(-1).max(-1)
+                conf, cand = scores.softmax(-1).max(-1)
                 probs = None
             else:
-                probs = logits_to_probs(logits, sampling)
+                probs = logits_to_probs(scores, sampling)
                 cand = sample(probs, generator)
                 conf = probs.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
-            if self.vocab_ids is not None:
-                # back to target ids; q keeps zero mass outside the draft vocabulary, which rejection sampling
-                # handles like any other q (the output distribution is still exactly the target's)
-                cand = self.vocab_ids[cand]
-                if probs is not None:
-                    probs = torch.zeros(g, self.target.vocab_size, device=probs.device).index_copy_(
-                        1, self.vocab_ids, probs)
+            # back to target ids; q keeps zero mass outside the draft vocabulary (and the copy gate's candidate),
+            # which rejection sampling handles like any other q (the output distribution is still the target's)
+            cand = to_ids(cand)
+            if probs is not None:
+                probs = to_vocab(probs)
             free = (~fixed).nonzero().squeeze(-1)
             k = len(free) if s == steps - 1 else math.ceil(len(free) / (steps - s))
             if conf is None:

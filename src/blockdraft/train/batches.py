@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..copy_gate import gated_ids, gated_logits
 from ..draft import DFlashDraftModel
 from .blocks import IGNORE
 from .teacher import TeacherSequence, feats_tensor
@@ -129,6 +130,31 @@ class DraftHead:
         self.weight = target.lm_head.weight.detach()[self.ids]  # [Vd, H]
         self.map = torch.full((v,), -1, dtype=torch.long)
         self.map[self.ids] = torch.arange(self.ids.numel())
+        self.full_weight = target.lm_head.weight.detach()  # [V, H]: a copy gate's candidate may lie outside
+        self.gate = draft.copy_gate
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight.to(hidden.dtype))
+
+    def scores(self, hidden: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+               ) -> torch.Tensor:
+        """hidden [R, H] -> fp32 scores [R, Vd] (no copy gate) or [R, Vd + 1] (`copy_gate.gated_logits`; copy =
+        (candidates [R] target ids or -1, match lengths [R], block rows [R]))."""
+        logits = self.logits(hidden).float()
+        if self.gate is None:
+            return logits
+        cand, n, k = copy
+        return gated_logits(logits, hidden, self.gate, cand, n.clamp_min(1), k, self.full_weight, self.map)
+
+    def target_ids(self, choice: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
+        """column indices of `scores` -> target ids."""
+        if self.gate is None:
+            return self.ids[choice]
+        return gated_ids(choice, cand, self.ids, self.ids.numel())
+
+    def columns(self, labels: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
+        """target-id labels [R] -> columns of `scores` (-1: the draft cannot propose that token)."""
+        col = self.map[labels.clamp_min(0)].masked_fill(labels < 0, -1)
+        if self.gate is not None:
+            col = torch.where((col < 0) & (labels >= 0) & (labels == cand), self.ids.numel(), col)
+        return col

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..copy_gate import LookupTables
 from ..draft import DFlashDraftModel
 from .batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward
@@ -22,12 +23,13 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence],
              anchor_lists: list[np.ndarray], cols: np.ndarray, max_len: int, batch_seqs: int = 8,
-             block: int | None = None) -> dict:
+             block: int | None = None, tables: LookupTables | None = None) -> dict:
     """Held-out top-1 accuracy per block position (teacher-forced: the draft's argmax vs the target's greedy token)
     and the tau it implies for decode block sizes 2, 4, 8, 16: 1 + mean over blocks of the number of leading rows
     the draft got right (what greedy verification would accept), capped at b - 1. block: rows per evaluated
     block (default: the draft's block size)."""
     block = block or draft.config.block_size
+    tables = _tables(draft, tables)
     was = draft.training
     draft.eval()
     correct = torch.zeros(block, dtype=torch.long)
@@ -39,7 +41,8 @@ def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
         with torch.autocast("cpu", dtype=torch.bfloat16):
             embeds = target.embed(b.block_ids)
             hidden = block_forward(draft, fused_inputs(draft, target, b), b.ctx_len, embeds, b.anchors, block)
-            pred = head.ids[head.logits(hidden).float().argmax(-1)]  # [S, N*B] target ids
+            pred = _predict(head, hidden, b, tables, seqs[s:s + batch_seqs], anchor_lists[s:s + batch_seqs], block,
+                            max_len)  # [S, N*B] target ids
         hit = (pred == b.labels)
         valid = b.labels >= 0
         correct += torch.zeros(block, dtype=torch.long).index_add_(0, b.offsets[valid], hit[valid].long())
@@ -64,11 +67,15 @@ def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
 @torch.no_grad()
 def walk_lengths(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence], cols: np.ndarray,
                  max_len: int, block: int = 4, batch_seqs: int = 4,
-                 dtype: torch.dtype = torch.bfloat16) -> list[list[tuple[int, int]]]:
+                 dtype: torch.dtype = torch.bfloat16,
+                 tables: LookupTables | None = None) -> list[list[tuple[int, int]]]:
     """Greedy decoding replayed on the held-out text: start at each sequence's first response anchor, accept the
     draft's leading rows that equal the target's greedy tokens, move the anchor past them plus the bonus token, and
     repeat to the end of the response. -> per sequence, one (tokens committed, position 1 hit) pair per step.
-    dtype: the draft's compute dtype (bf16 under autocast, as training evaluates; fp32 for exact comparisons)."""
+    dtype: the draft's compute dtype (bf16 under autocast, as training evaluates; fp32 for exact comparisons).
+    A copy gate's candidates come from the text through each anchor, as in decoding (the walk assumes decoding
+    wrote this text)."""
+    tables = _tables(draft, tables)
     was = draft.training
     draft.eval()
     out = []
@@ -80,7 +87,7 @@ def walk_lengths(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Te
         feats = feats if dtype == torch.bfloat16 else feats.to(dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             hidden = block_forward(draft, feats, b.ctx_len, target.embed(b.block_ids), b.anchors, block)
-            pred = head.ids[head.logits(hidden).float().argmax(-1)]
+            pred = _predict(head, hidden, b, tables, part, anchors, block, max_len)
         hit = ((pred == b.labels) & (b.labels >= 0)).view(len(part), -1, block)
         for i, a in enumerate(anchors):
             where = {int(p): j for j, p in enumerate(a)}
@@ -96,13 +103,32 @@ def walk_lengths(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Te
     return out
 
 
+def _tables(draft: DFlashDraftModel, tables: LookupTables | None) -> LookupTables | None:
+    if draft.copy_gate is None:
+        return None
+    return tables if tables is not None else LookupTables(draft.config.block_size - 1)
+
+
+def _predict(head: DraftHead, hidden: torch.Tensor, b, tables: LookupTables | None, seqs, anchor_lists,
+             block: int, max_len: int) -> torch.Tensor:
+    """hidden [S, N*B, H] -> the draft's greedy choices [S, N*B] as target ids (through the copy gate if any)."""
+    s, r, h = hidden.shape
+    if tables is None:
+        return head.ids[head.logits(hidden).float().argmax(-1)]
+    cand, n = tables.rows(seqs, anchor_lists, block, max_len)
+    flat = cand.reshape(-1)
+    scores = head.scores(hidden.reshape(-1, h), (flat, n.reshape(-1), b.offsets.reshape(-1)))
+    return head.target_ids(scores.argmax(-1), flat).view(s, r)
+
+
 def walk_tau(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence], cols: np.ndarray,
-             max_len: int, block: int = 4, batch_seqs: int = 4) -> dict:
+             max_len: int, block: int = 4, batch_seqs: int = 4, tables: LookupTables | None = None) -> dict:
     """`walk_lengths` summarised. Unlike `evaluate` (anchors drawn uniformly), the anchors here are the ones real
     decoding visits: right after a rejection, where text is harder. On the engine's own output text the walk
     reproduces real decoding step for step (tested); on the default target it gave tau 1.621 vs the engine's 1.619
     over `heldout_tau.py`'s 12 prompts. -> {"walk_tau", "walk_acc1", "walk_steps"}."""
-    steps = [x for seq in walk_lengths(draft, target, head, seqs, cols, max_len, block, batch_seqs) for x in seq]
+    steps = [x for seq in walk_lengths(draft, target, head, seqs, cols, max_len, block, batch_seqs, tables=tables)
+             for x in seq]
     n = len(steps)
     return {"walk_tau": round(sum(c for c, _ in steps) / max(1, n), 4),
             "walk_acc1": round(sum(h for _, h in steps) / max(1, n), 4), "walk_steps": n}

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..copy_gate import LookupTables
 from ..draft import DFlashConfig, DFlashDraftModel
 from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
@@ -70,6 +71,10 @@ class FastConfig:
     next_token_feature: bool = False  # the fusion also reads each context position's next-token embedding (a
     #                                   departure from the public layout: `DFlashConfig.next_token_feature`)
     next_token_scale: float = 1.0  # ... times this factor, when the input is added
+    copy_gate: bool = False  # a learned bonus on prompt lookup's candidate (`copy_gate.py`; its own file, outside
+    #                          the public layout)
+    copy_gate_lr: float = 1e-2  # the gate table's own (constant after warm-up) learning rate: its bonuses must reach
+    #                             a few nats, and Adam moves a weight by about its lr per step
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
     max_len: int = 512
     seed: int = 0
@@ -109,18 +114,21 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
-def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, cfg: FastConfig):
-    """-> (loss, correct [B], counted [B]) of one batch (position-1 accuracy etc. on the training rows)."""
+def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, cfg: FastConfig,
+               copy: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """-> (loss, correct [B], counted [B]) of one batch (position-1 accuracy etc. on the training rows).
+    copy: for a draft with a copy gate, (candidates, match lengths), each [S, N*B] (`LookupTables.rows`)."""
     block = cfg.train_block
     with torch.no_grad():
         embeds = target.embed(batch.block_ids)
     hidden = block_forward(draft, fused_inputs(draft, target, batch), batch.ctx_len, embeds, batch.anchors, block)
     valid = batch.labels >= 0
     h = hidden[valid]
-    lab = head.map[batch.labels[valid]]  # -1 where the greedy token is outside the draft vocabulary
     offs = batch.offsets[valid]
+    cand = copy[0][valid] if copy is not None else None
+    lab = head.columns(batch.labels[valid], cand)  # -1 where the draft cannot propose the greedy token
     w = torch.exp(-(offs.float() - 1) / cfg.gamma)
-    logits = head.logits(h).float()  # [R, Vd]
+    logits = head.scores(h, None if copy is None else (cand, copy[1][valid], offs))  # [R, Vd (+1)]
     ce = F.cross_entropy(logits, lab.clamp_min(0), reduction="none") * (lab >= 0)
     loss_rows = ce
     if cfg.kd_weight > 0:
@@ -128,6 +136,8 @@ def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, c
         tk_lg = batch.topk_logits[valid].masked_fill(tk_ids < 0, float("-inf"))
         p = torch.softmax(tk_lg, -1).nan_to_num(0.0)
         dense = torch.zeros_like(logits).scatter_add_(1, tk_ids.clamp_min(0), p * (tk_ids >= 0))
+        # (with a copy gate, an out-of-vocabulary candidate's column gets no teacher mass: distillation covers the
+        # draft vocabulary, the cross-entropy part the candidate)
         loss_rows = (1 - cfg.kd_weight) * ce + cfg.kd_weight * soft_cross_entropy(logits, dense)
     loss = (loss_rows * w).sum() / w.sum().clamp_min(1e-8)
     hit = (logits.argmax(-1) == lab) & (lab >= 0)
@@ -178,6 +188,11 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherC
         if cfg.next_token_feature and not draft.config.next_token_feature:
             log.info("adding the next-token input to the fusion of %s (its columns start at zero)", cfg.init)
             draft = draft.with_next_token_feature(cfg.next_token_scale)
+        if draft.config.copy_gate and not cfg.copy_gate:
+            raise ValueError(f"{cfg.init} has a copy gate; continue it with --copy-gate true")
+        if cfg.copy_gate and not draft.config.copy_gate:
+            log.info("adding a copy gate to %s (its bonus starts at zero)", cfg.init)
+            draft = draft.with_copy_gate()
         return draft.train()
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig.from_target(target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
@@ -185,7 +200,7 @@ def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherC
                                     else default_mask_token_id(target.tokenizer, target.vocab_size),
                                     target_layer_ids=list(cfg.layer_ids), draft_vocab_size=cfg.draft_vocab_size,
                                     next_token_feature=cfg.next_token_feature,
-                                    next_token_scale=cfg.next_token_scale)
+                                    next_token_scale=cfg.next_token_scale, copy_gate=cfg.copy_gate)
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
     if cfg.init in ("target", "target-identity"):
         draft.init_layers_from_target(target)
@@ -250,8 +265,16 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
     if draft.config.block_size != cfg.block_size:
         raise ValueError(f"draft block size {draft.config.block_size} != --block-size {cfg.block_size}")
     head = DraftHead(target, draft)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    # the gate's table (a few dozen bonuses that must reach several nats) gets its own learning rate; its w (one
+    # weight per hidden unit, summed over H) moves with the draft's: at 1e-2 its H steps would add up to nats per step
+    gate_params = [draft.copy_gate.table] if draft.copy_gate is not None else []
+    gate_ids = {id(p) for p in gate_params}
+    groups = [{"params": [p for p in draft.parameters() if p.requires_grad and id(p) not in gate_ids],
+               "role": "draft"}]
+    if gate_params:
+        groups.append({"params": gate_params, "role": "gate"})
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    tables = LookupTables(cfg.block_size - 1) if draft.copy_gate is not None else None
     state = {"step": 0, "train_seconds": 0.0, "rows": 0, "config": asdict(cfg)}
     curve_path = out / "curve.jsonl"
     if resume and (out / "state.pt").is_file():
@@ -285,9 +308,13 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
     held_seqs, held_anchors = heldout_anchors(held, cfg)
 
     def log_eval(extra: dict) -> dict:
-        ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block)
+        ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block,
+                      tables=tables)
         if cfg.walk_seqs:
-            ev.update(walk_tau(draft, target, head, held_seqs[: cfg.walk_seqs], cols, cfg.max_len, cfg.walk_block))
+            ev.update(walk_tau(draft, target, head, held_seqs[: cfg.walk_seqs], cols, cfg.max_len, cfg.walk_block,
+                               tables=tables))
+        if draft.copy_gate is not None:
+            ev["gate_table"] = [[round(x, 3) for x in r[: cfg.eval_block]] for r in draft.copy_gate.table.tolist()]
         entry = {"step": state["step"], "minutes": round(state["train_seconds"] / 60, 3), "rows": state["rows"],
                  **extra, **ev}
         with open(curve_path, "a") as f:
@@ -325,9 +352,11 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
         batch = make_batch(seqs, anchor_lists, cfg.train_block, draft.mask_token_id, seq_cols, cfg.max_len,
                            with_topk=cfg.kd_weight > 0, chain=cfg.chain_labels)
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, cfg)
+            grp["lr"] = (lr_at(step, cfg) if grp.get("role") != "gate"
+                         else cfg.copy_gate_lr * min(1.0, (step + 1) / max(1, cfg.warmup)))
+        copy = tables.rows(seqs, anchor_lists, cfg.train_block, cfg.max_len) if tables is not None else None
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, correct, counted = batch_loss(draft, target, head, batch, cfg)
+            loss, correct, counted = batch_loss(draft, target, head, batch, cfg, copy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
