@@ -106,13 +106,14 @@ class LookupTables:
 
     def __init__(self, num_tokens: int, max_ngram: int = 3) -> None:
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._tables: dict[int, tuple[object, tuple[np.ndarray, np.ndarray]]] = {}
 
     def get(self, seq, max_len: int) -> tuple[np.ndarray, np.ndarray]:
         key = id(seq.tokens)
-        if key not in self._tables:
-            self._tables[key] = lookup_table(np.asarray(seq.tokens[:max_len]), self.num_tokens, self.max_ngram)
-        return self._tables[key]
+        if key not in self._tables:  # the token array is kept with its table, so its id cannot be reused meanwhile
+            self._tables[key] = (seq.tokens, lookup_table(np.asarray(seq.tokens[:max_len]), self.num_tokens,
+                                                          self.max_ngram))
+        return self._tables[key][1]
 
     def rows(self, seqs, anchor_lists, block: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (cand [S, N*B], n [S, N*B]) for the rows of `make_batch(seqs, anchor_lists, block, ...)`: row k of the
