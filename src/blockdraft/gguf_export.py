@@ -206,6 +206,7 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     draft_dir: our draft (config.json + model.safetensors); target_gguf: the target GGUF llama.cpp will run (its
     tokenizer fields are copied); target_dir: the same target as an HF directory (config.json + safetensors; the
     head rows of a reduced-vocabulary draft are read from it); outtype: 'bf16' (what our engine runs) or 'f32'."""
+    from .copy_gate import GATE_WEIGHTS_NAME
     from .draft import DFlashConfig, read_draft_dir
 
     if outtype not in FILE_TYPE:
@@ -222,7 +223,7 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     if cfg.copy_gate:  # the layout part is complete without it: llama.cpp drafts with the plain head
         log.warning("%s has a copy gate (%s): blockdraft's own extension, which llama.cpp does not compute; the "
                     "exported draft proposes without it (fewer accepted tokens where prompt lookup would copy)",
-                    draft_dir, "copy_gate.safetensors")
+                    draft_dir, GATE_WEIGHTS_NAME)
     if cfg.hidden_act != "silu":
         raise ValueError(f"llama.cpp's DFlash graph runs silu (or gelu) MLPs; this draft has {cfg.hidden_act!r}")
     if not (target_dir / "config.json").is_file():
