@@ -57,6 +57,10 @@ def test_outputs_exist(bench):
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["records"] == res["records"] and on_disk["command"] == "pytest"
     assert {"cpu", "torch", "threads", "date"} <= set(on_disk["machine"])
+    man = on_disk["manifest"]
+    assert {"git_commit", "git_dirty", "draft_sha256", "target_sha256", "command", "torch", "threads", "cpu",
+            "date"} <= set(man)
+    assert man["command"] == "pytest" and man["draft_sha256"] is None  # an in-memory draft has no files to hash
     assert res["methods"] == ["ar", "dflash", "pld", "hf-pld"]
 
 
@@ -183,3 +187,44 @@ def test_reference_methods_and_step_split(tmp_path):
         assert sm["total"] == pytest.approx(sm["draft"] + sm["verify"] + sm["other"])
     assert rows["ar"]["step_ms"]["draft"] < rows["dflash"]["step_ms"]["draft"]  # ar never drafts
     assert "### Per-step time split" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_weights_modes_run_side_by_side(tmp_path):
+    """--weights bf16,int4: every engine method on float weights, and again as METHOD@int4 on quantized ones."""
+    from blockdraft import quant
+    from test_quant import tiny_llama_q
+
+    if quant.kernel_status() is not None:
+        pytest.skip(f"no quantized kernels: {quant.kernel_status()}")
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) + "\n")
+    tok = StubTokenizer()
+    target = TargetModel(tiny_llama_q(), tok)
+    cfg = BenchConfig(prompts=str(pfile), n=None, max_new_tokens=16, dtype="fp32", methods=("ar", "dflash"),
+                      weights=("bf16", "int4"), out=str(tmp_path / "out"), progress=False, plots=False, threads=1)
+    res = run_bench(cfg, target=target, tokenizer=tok, draft=tiny_draft(target, block_size=5))
+    assert res["methods"] == ["ar", "ar@int4", "dflash", "dflash@int4"]
+    by = {(r["method"], r["prompt_id"]): r for r in res["records"]}
+    for pid in {r["prompt_id"] for r in res["records"]}:
+        assert by[("ar@int4", pid)]["weights"] == "int4" and by[("ar", pid)]["weights"] == "bf16"
+        # lossless on each weight set: the draft changes nothing of the output of the weights it runs on
+        assert by[("dflash@int4", pid)]["token_ids"] == by[("ar@int4", pid)]["token_ids"]
+        assert by[("dflash", pid)]["token_ids"] == by[("ar", pid)]["token_ids"]
+    with pytest.raises(ValueError, match="--weights"):
+        BenchConfig(weights=("int3",)).resolved()
+
+
+def test_manifest_hashes_files_and_changes_with_them(tmp_path):
+    from blockdraft.eval.manifest import dir_sha256, run_manifest
+
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\0" * 10)
+    first = dir_sha256(d)
+    assert len(first) == 64 and dir_sha256(d) == first
+    (d / "model.safetensors").write_bytes(b"\0" * 9 + b"\1")
+    assert dir_sha256(d) != first
+    man = run_manifest(command="x", draft=d, target_file=d / "config.json")
+    assert man["draft_sha256"] == dir_sha256(d) and man["target_sha256"] == dir_sha256(d / "config.json")
+    assert dir_sha256(None) is None and dir_sha256(tmp_path / "missing") is None

@@ -157,6 +157,7 @@ def _key(target) -> str:
              target.num_layers, target.vocab_size, getattr(cfg, "num_attention_heads", ""),
              getattr(cfg, "num_key_value_heads", ""), str(target.dtype), str(target.device),
              "lean" if target.lean is not None else "hf", torch.get_num_threads(), torch.__version__,
+             getattr(getattr(target, "weights", None), "mode", "bf16"),
              platform.processor() or platform.machine(), _cpu_model(), "tree-mask+chain"]
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:16]
 

@@ -14,6 +14,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft directory, 'none' for plain decoding (default: shipped)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    _weights_arg(p)
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per verify step (default: the draft's recommended decode block size, else its trained "
                         "size)")
@@ -31,6 +32,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "cached in ~/.cache/blockdraft/calibration; fix it for exactly repeatable seeded sampling)")
     p.add_argument("--tree-recalibrate", action="store_true",
                    help="measure the verify-cost curve again (e.g. it was cached while the machine was busy)")
+
+
+def _weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="weights of the fast path: auto = a GGUF target's own quantization (4-bit / 8-bit blocks "
+                        "mapped exactly), any other target float; bf16 = float weights (fp32 with --dtype fp32); "
+                        "int8 / int4 = quantized from the float weights (opt-in, groups of 32)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,14 +61,16 @@ def _load(args):
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                                denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
-    target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile)
+    target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile,
+                              weights=args.weights)
     draft = resolve_draft(args.draft, src.name)
     if args.tree or args.tree_lookup:
         engine = build_tree_engine(target, draft, lookup=args.tree_lookup, budget=args.tree_budget,
                                    block_size=args.block_size, recalibrate=args.tree_recalibrate)
     else:
         engine = build_engine(target, draft, args.block_size, args.denoise_steps)
-    log.info("target=%s draft=%s dtype=%s %s %s", src.name, draft or "none", args.dtype, gen_cfg, sampling)
+    log.info("target=%s draft=%s dtype=%s weights=%s %s %s", src.name, draft or "none", args.dtype,
+             target.weights.describe(), gen_cfg, sampling)
     return engine, gen_cfg, sampling, draft
 
 
@@ -128,7 +138,7 @@ def cmd_init_draft(args) -> int:
     from .draft import DFlashConfig, DFlashDraftModel
     from .loading import default_mask_token_id, load_target
 
-    target, _ = load_target(args.target, "fp32")
+    target, _ = load_target(args.target, "fp32", weights="bf16")
     torch.manual_seed(args.seed)
     cfg = DFlashConfig.from_target(
         target.config, num_hidden_layers=args.layers, block_size=args.block_size,
@@ -170,7 +180,7 @@ def cmd_features(args) -> int:
     from .train.features import precompute_features
     from .train.trainer import load_records
 
-    target, _ = load_target(args.target, args.dtype)
+    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
     layer_ids = (draft_cls.from_pretrained(args.draft).config.target_layer_ids if args.draft
                  else [int(x) for x in args.layer_ids.split(",")])
@@ -222,7 +232,7 @@ def cmd_teacher_cache(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target, args.dtype)
+    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     records = load_records(args.data)[: args.limit]
     layers = [int(x) for x in args.layer_ids.split(",")]
     out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len)
@@ -244,7 +254,7 @@ def cmd_train_fast(args) -> int:
     if not cfg.cache or not cfg.heldout_cache:
         raise ValueError("train-fast needs --cache DIR and --heldout-cache DIR (written by `blockdraft teacher-cache`)")
     log.info("fast training config: %s", cfg)
-    target, _ = load_target(args.target, "bf16")
+    target, _ = load_target(args.target, "bf16", weights="bf16")
     print(json.dumps(train_fast(cfg, target, resume=args.resume)))
     return 0
 

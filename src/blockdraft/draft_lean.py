@@ -24,16 +24,26 @@ import torch.nn.functional as F
 from .cache import KVCache
 from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
 from .lean import Linear, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
+from .quant import BLOCK, QuantLinear, quantize
+
+
+def _linear(weights: list[torch.Tensor], packed: bool, mode: str):
+    """The (fused) linear of these weights stacked along the output: float (prepacked when `packed`), or quantized
+    for mode 'int8' / 'int4' where the input width allows it."""
+    w = torch.cat([x.detach() for x in weights])
+    if mode in ("int8", "int4") and w.shape[1] % BLOCK == 0:
+        return QuantLinear(quantize(w, mode))
+    return Linear(w, None, packed)
 
 
 class _DraftLayer:
-    def __init__(self, layer, packed: bool) -> None:
+    def __init__(self, layer, packed: bool, mode: str) -> None:
         att, mlp = layer.self_attn, layer.mlp
         self.n_heads, self.n_kv, self.head_dim = att.n_heads, att.n_kv, att.head_dim
-        self.qkv = Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(), None, packed)
-        self.o = Linear(att.o_proj.weight, None, packed)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), None, packed)
-        self.down = Linear(mlp.down_proj.weight, None, packed)
+        self.qkv = _linear([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], packed, mode)
+        self.o = _linear([att.o_proj.weight], packed, mode)
+        self.gate_up = _linear([mlp.gate_proj.weight, mlp.up_proj.weight], packed, mode)
+        self.down = _linear([mlp.down_proj.weight], packed, mode)
         self.inter = int(mlp.gate_proj.weight.shape[0])
         self.ln1, self.ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
         self.q_norm, self.k_norm = att.q_norm.weight.detach(), att.k_norm.weight.detach()
@@ -43,20 +53,21 @@ class _DraftLayer:
 class LeanDraft:
     """Inference forward of a DFlashDraftModel (see the module docstring)."""
 
-    def __init__(self, draft: DFlashDraftModel, packed: bool | None = None) -> None:
+    def __init__(self, draft: DFlashDraftModel, packed: bool | None = None, weights: str = "bf16") -> None:
+        """weights: 'bf16' keeps the draft's float weights; 'int8' / 'int4' quantize its linears (quant.py)."""
         cfg = draft.config
         self.config = cfg
         self.dtype = draft.dtype
+        self.weights = weights
         device = draft.fc.weight.device
         packed = packed_linear_available(self.dtype, device) if packed is None else packed
-        self.fc = Linear(draft.fc.weight, None, packed)
+        self.fc = _linear([draft.fc.weight], packed, weights)
         self.hidden_norm = draft.hidden_norm.weight.detach()
         self.final_norm = draft.norm.weight.detach()
         self.eps = draft.norm.eps
-        self.layers = [_DraftLayer(layer, packed) for layer in draft.layers]
+        self.layers = [_DraftLayer(layer, packed, weights) for layer in draft.layers]
         attn = [layer.self_attn for layer in draft.layers]
-        self.ctx_kv = Linear(torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn]).detach(),
-                             None, packed)
+        self.ctx_kv = _linear([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], packed, weights)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, C, K*H], positions [B, C] -> (ks, vs) [L, B, H_kv, C, D], keys k-normed and rotated

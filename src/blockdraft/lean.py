@@ -10,7 +10,10 @@ weights but
 - writes keys/values in place into a `KVCache` (crop = move a length pointer; no `torch.cat` per step);
 - computes RoPE once per forward for all layers and taps the feature layers directly (no hooks);
 - attends single-query steps (plain decoding, batched regeneration) with one grouped matmul per key/value head
-  instead of torch's flash kernel, which is slow for one query (`grouped_decode_attention`).
+  instead of torch's flash kernel, which is slow for one query (`grouped_decode_attention`);
+- holds quantized weights where a `quant.WeightPlan` says so (a GGUF's own 4/8-bit blocks), and when every linear is
+  quantized runs single-row forwards through the native stack (`csrc/decoder.cpp`: the whole layer stack in one
+  call, tested against these Python layers).
 `compile=True` additionally runs each layer's two dense halves through `torch.compile` (fixed shapes per query
 width; attention stays eager because the key length grows). Measured on SmolLM2 it compiled for about a minute per
 query width and was not faster than the eager prepacked path, so it is off by default.
@@ -29,16 +32,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .quant import QuantLinear, WeightPlan, quant_kernels
 
 log = logging.getLogger(__name__)
 
 _FAMILIES = ("llama", "qwen2", "qwen3")
+_PREPACK_WORKS: bool | None = None
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Prepacked oneDNN linears are used for bf16 on CPU only; fp32 keeps `F.linear`."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Prepacked oneDNN linears are used for bf16 on CPU only, where oneDNN has bf16 kernels for this CPU (it
+    refuses to prepack on CPUs without AVX512-BF16/AVX-NE-CONVERT or AVX512BW/VL/DQ); fp32 keeps `F.linear`."""
+    global _PREPACK_WORKS
+    if not (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if _PREPACK_WORKS is None:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+            _PREPACK_WORKS = True
+        except RuntimeError as e:
+            log.info("bf16 weights stay unpacked: oneDNN cannot prepack them on this CPU (%s)", str(e)[:120])
+            _PREPACK_WORKS = False
+    return _PREPACK_WORKS
 
 
 class Linear:
@@ -100,24 +116,50 @@ def _cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if ts[0] is None else torch.cat([t.detach() for t in ts])
 
 
+def _layers_prefix(hf_model: nn.Module, decoder: nn.Module) -> str:
+    """The parameter-name prefix of the decoder's layers (`model.layers` for LLaMA-family *ForCausalLM), which the
+    weight plan's names use."""
+    for name, module in hf_model.named_modules():
+        if module is decoder.layers:
+            return name
+    raise ValueError("the decoder's layers are not a submodule of the model")
+
+
+class LinearFactory:
+    """Builds each (fused) linear of the lean path from the model's modules: quantized where the weight plan says
+    so (`quant.WeightPlan`), else the float weights, prepacked when `packed`."""
+
+    def __init__(self, packed: bool, plan: WeightPlan | None = None) -> None:
+        self.packed, self.plan = packed, plan
+
+    def __call__(self, names: list[str], modules: list[nn.Module]) -> "Linear | QuantLinear":
+        weights = [m.weight for m in modules]
+        biases = [getattr(m, "bias", None) for m in modules]
+        bias = _cat(biases) if all(b is not None for b in biases) else None
+        assert bias is not None or all(b is None for b in biases), f"{names}: some parts have a bias, some not"
+        q = self.plan.weight_for(names, weights) if self.plan is not None else None
+        if q is not None:
+            return QuantLinear(q, bias)
+        return Linear(_cat(weights), bias, self.packed)
+
+
 class _Layer:
     """One decoder layer: fused projections, the norms' weights, and the two dense halves around attention."""
 
-    def __init__(self, layer: nn.Module, cfg, packed: bool) -> None:
+    def __init__(self, layer: nn.Module, cfg, linear: LinearFactory, prefix: str) -> None:
         att, mlp = layer.self_attn, layer.mlp
         self.head_dim = int(getattr(att, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
         self.n_q, self.n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.w_in, self.eps_in = layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)
         self.w_post = layer.post_attention_layernorm.weight
         self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
-        projs = [att.q_proj, att.k_proj, att.v_proj]
-        self.qkv_proj = Linear(_cat([p.weight for p in projs]), _cat([p.bias for p in projs]), packed)
-        self.o_proj = Linear(att.o_proj.weight, att.o_proj.bias, packed)
+        a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.qkv_proj = linear([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [att.q_proj, att.k_proj, att.v_proj])
+        self.o_proj = linear([f"{a}.o_proj"], [att.o_proj])
         self.q_norm = getattr(att, "q_norm", None)  # Qwen3 normalises q and k per head before RoPE
         self.k_norm = getattr(att, "k_norm", None)
-        gu = [mlp.gate_proj, mlp.up_proj]
-        self.gate_up = Linear(_cat([p.weight for p in gu]), _cat([getattr(p, "bias", None) for p in gu]), packed)
-        self.down = Linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None), packed)
+        self.gate_up = linear([f"{m}.gate_proj", f"{m}.up_proj"], [mlp.gate_proj, mlp.up_proj])
+        self.down = linear([f"{m}.down_proj"], [mlp.down_proj])
         self.act = mlp.act_fn
         self.inter = int(mlp.gate_proj.weight.shape[0])
 
@@ -144,11 +186,12 @@ class _Layer:
 class LeanDecoder:
     """The target's decoder stack on a `KVCache`. Check `LeanDecoder.supports(hf_model)` before building one.
 
-    It reads the model's weights at construction (fused and, for bf16 on CPU, prepacked copies): build it after the
-    model has its final dtype and device.
+    It reads the model's weights at construction (fused and, for bf16 on CPU, prepacked copies; quantized ones where
+    `weights` says so): build it after the model has its final dtype and device.
     """
 
-    def __init__(self, hf_model: nn.Module, compile: bool = False, compile_widths: tuple[int, ...] = (1, 16)) -> None:
+    def __init__(self, hf_model: nn.Module, compile: bool = False, compile_widths: tuple[int, ...] = (1, 16),
+                 weights: WeightPlan | None = None) -> None:
         cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
         dec = hf_model.get_decoder()
         self.cfg = cfg
@@ -157,7 +200,9 @@ class LeanDecoder:
         self.dtype, self.device = w.dtype, w.device
         # torch.compile traces F.linear, not an opaque packed oneDNN tensor: the two options exclude each other
         self.packed = packed_linear_available(self.dtype, self.device) and not compile
-        self.layers = [_Layer(layer, cfg, self.packed) for layer in dec.layers]
+        linear = LinearFactory(self.packed, weights)
+        prefix = _layers_prefix(hf_model, dec)
+        self.layers = [_Layer(layer, cfg, linear, f"{prefix}.{i}") for i, layer in enumerate(dec.layers)]
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = self.layers[0].head_dim
         self._qkv = self._qkv_eager = [layer.qkv for layer in self.layers]
@@ -169,6 +214,32 @@ class LeanDecoder:
         # single-query steps attend through `grouped_decode_attention` (faster here); False = torch's SDPA kernel,
         # kept to measure the difference (scripts/decode_attention_bench.py)
         self.grouped_single_query = True
+        # every linear quantized: single-row batches run the whole stack in one native call (csrc/decoder.cpp)
+        self.native, self.native_reason = self._build_native(hf_model)
+
+    def _build_native(self, hf_model: nn.Module):
+        """(the native decoder, None) when this model and its weights allow it, else (None, why not)."""
+        if self.compiled:
+            return None, "torch.compile requested"
+        linears = [lin for layer in self.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down)]
+        if not all(isinstance(lin, QuantLinear) for lin in linears):
+            return None, "not every linear is quantized"
+        if any(layer.q_norm is not None for layer in self.layers):
+            return None, "per-head q/k norms (Qwen3)"
+        if getattr(self.cfg, "hidden_act", None) != "silu":
+            return None, f"activation {getattr(self.cfg, 'hidden_act', None)!r}, not SiLU"
+        if self.head_dim % 8:
+            return None, f"head_dim {self.head_dim} is not a multiple of 8"
+        kernels = quant_kernels()
+        if kernels is None:
+            return None, "no quantized kernels"
+        cfg = self.cfg
+        native = kernels.Decoder(int(cfg.hidden_size), self.layers[0].n_q, self.num_kv_heads, self.head_dim,
+                                 self.layers[0].inter, self.norm.weight.detach(), float(self.norm.variance_epsilon))
+        for layer in self.layers:
+            native.add_layer(*(lin.native() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down)),
+                             layer.w_in.detach(), layer.eps_in, layer.w_post.detach(), layer.eps_post)
+        return native, None
 
     @staticmethod
     def supports(hf_model: nn.Module) -> str | None:
@@ -229,6 +300,13 @@ class LeanDecoder:
         cos, sin = self._rope(positions, x)
         total = start + t
         cache.reserve(total)
+        if self.native is not None and b == 1 and key_mask is None:
+            if tree_mask is not None:
+                assert tree_mask.shape == (t, t), f"tree_mask must be [{t}, {t}]"
+            hidden, feats = self.native.forward(x[0], cache.k, cache.v, start, cos[0, 0].float().contiguous(),
+                                                sin[0, 0].float().contiguous(), tree_mask, list(tap))
+            cache.length = total
+            return hidden[None], (feats[None] if tap else None)
         # new query i sits at slot start + i and sees slots 0 .. start + i (causal with an offset); q = 1 sees all
         mask = None
         if tree_mask is not None:

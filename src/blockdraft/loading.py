@@ -182,12 +182,17 @@ def resolve_draft(draft: str | None, target_name: str) -> Path | None:
 
 
 def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", device: str = "cpu",
-                lean: bool = True, compile: bool = False):
-    """-> (TargetModel, TargetSource). lean/compile: the decode path (see TargetModel and lean.py)."""
+                lean: bool = True, compile: bool = False, weights: str = "auto"):
+    """-> (TargetModel, TargetSource). lean/compile: the decode path (see TargetModel and lean.py); weights: which
+    weights the fast path holds quantized (`quant.plan_weights`: 'auto' keeps a GGUF file's own quantization)."""
+    from .quant import plan_weights
     from .target import TargetModel
 
     hf, tok, src = load_hf_target(target, dtype, device)
-    return TargetModel(hf, tok, lean=lean, compile=compile), src
+    gguf = Path(src.path) / src.gguf_file if src.gguf_file else None
+    plan = plan_weights(weights, hf, gguf) if lean else None
+    source = str(gguf) if gguf is not None else src.path
+    return TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source), src
 
 
 def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1):

@@ -21,6 +21,7 @@ from torch import nn
 
 from .cache import KVCache
 from .lean import LeanDecoder, Linear, packed_linear_available
+from .quant import QuantLinear, WeightPlan
 
 
 @dataclass
@@ -77,9 +78,12 @@ class TargetModel(nn.Module):
     """Wraps an HF `*ForCausalLM`. `layer_ids` are the decoder layers whose outputs form the draft's context."""
 
     def __init__(self, hf_model: nn.Module, tokenizer=None, layer_ids: list[int] | tuple[int, ...] = (),
-                 lean: bool = True, compile: bool = False) -> None:
+                 lean: bool = True, compile: bool = False, weights: WeightPlan | None = None,
+                 source: str | None = None) -> None:
         """lean: decode on the fused-weight path with a preallocated cache (`lean.py`) when the architecture allows
-        it (else the HF modules are used and `lean_reason` says why); compile: also torch.compile that path."""
+        it (else the HF modules are used and `lean_reason` says why); compile: also torch.compile that path;
+        weights: which weights that path and the LM head hold quantized (`quant.plan_weights`; None = float);
+        source: the file or directory the weights came from (recorded in results)."""
         super().__init__()
         self.hf = hf_model
         self.tokenizer = tokenizer
@@ -100,6 +104,11 @@ class TargetModel(nn.Module):
         self._lean = None  # built on first use, once the model has its final dtype and device
         self._lean_key = None
         self._head = None  # ((dtype, device), the LM head prepacked, or None) once first needed, see logits()
+        self.weights = weights if weights is not None else WeightPlan("bf16")
+        self.source = source
+        self._qhead: QuantLinear | None = None  # the quantized LM head, built on first use (see logits())
+        self._qhead_built = False
+        self._qhead_rows: tuple | None = None  # (rows tensor, its QuantLinear): a reduced draft vocabulary's head
 
     @property
     def lean(self):
@@ -110,7 +119,7 @@ class TargetModel(nn.Module):
             return None
         key = (self.dtype, self.device)
         if self._lean_key != key:
-            self._lean = LeanDecoder(self.hf, compile=self._compile)
+            self._lean = LeanDecoder(self.hf, compile=self._compile, weights=self.weights)
             self._lean_key = key
         return self._lean
 
@@ -196,7 +205,10 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """final-normed hidden [..., H] -> logits [..., V] through the target's LM head (and soft-cap if any);
         with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
-        if rows is None:
+        qhead = self._quant_head()
+        if qhead is not None and not torch.is_grad_enabled():
+            out = qhead(hidden) if rows is None else self._quant_head_rows(qhead, rows)(hidden)
+        elif rows is None:
             head = self._packed_head()
             out = head(hidden) if head is not None else self.lm_head(hidden)
         else:
@@ -205,6 +217,29 @@ class TargetModel(nn.Module):
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
         return out
+
+    @property
+    def quantized_head(self) -> bool:
+        """Whether the LM head runs on quantized weights (the weight plan's head; decoding only)."""
+        return self._quant_head() is not None
+
+    def _quant_head(self) -> QuantLinear | None:
+        """The LM head as the weight plan has it (quantized), or None where it stays float; built once."""
+        if not self._qhead_built:
+            self._qhead_built = True
+            if self._lean_reason != "disabled":
+                w = self.weights.head_weight(self.lm_head.weight)
+                if w is not None:
+                    self._qhead = QuantLinear(w, getattr(self.lm_head, "bias", None))
+        return self._qhead
+
+    def _quant_head_rows(self, head: QuantLinear, rows: torch.Tensor) -> QuantLinear:
+        """The quantized head restricted to vocabulary rows [V'], kept for the last rows tensor asked for (a draft
+        asks with the same tensor at every step)."""
+        if self._qhead_rows is None or self._qhead_rows[0] is not rows:
+            bias = None if head.bias is None else head.bias[rows]
+            self._qhead_rows = (rows, QuantLinear(head.weight.select(rows), bias))
+        return self._qhead_rows[1]
 
     def _packed_head(self):
         """The LM head prepacked for oneDNN (bf16 on CPU, lean path wanted), built once per dtype/device; None

@@ -50,18 +50,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .llamacpp_server import PLAIN_REFERENCE
+from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS
 from .report import _fmt_t, _num, _spd, make_plots, render_report, summarize_records
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup",
            "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld",
-           "llamacpp-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
+           "llamacpp-bf16", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
 ENGINE_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "ar-hf", "dflash-hf")
 # external references run at temperature 0 only
-GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-dflash", "llamacpp-dflash-bf16")
+GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash",
+               "llamacpp-dflash-bf16")
+# methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights
+WEIGHTS_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld")
 # methods with accept-length / per-position statistics
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
@@ -79,6 +82,7 @@ class BenchConfig:
     block_size: int | None = None  # None: the draft's trained size (16 for pld)
     denoise_steps: int = 1
     dtype: str = "bf16"
+    weights: tuple[str, ...] = ("auto",)  # the first: every engine method; others: WEIGHTS_METHODS as `m@mode`
     seed: int = 0
     prompts: str | None = None  # a user JSONL prompt file instead of the built-in tasks
     quick: bool = False  # 2 prompts per task, 64 new tokens, temperature 0
@@ -104,6 +108,11 @@ class BenchConfig:
     def resolved(self) -> "BenchConfig":
         """Apply --quick and check the values."""
         cfg = dataclasses.replace(self, **QUICK) if self.quick else self
+        from ..quant import WEIGHT_MODES
+
+        badw = [w for w in cfg.weights if w not in WEIGHT_MODES]
+        if badw or not cfg.weights or len(set(cfg.weights)) != len(cfg.weights):
+            raise ValueError(f"--weights must list distinct modes of {WEIGHT_MODES}, got {cfg.weights}")
         bad = [m for m in cfg.methods if m not in METHODS]
         if bad or not cfg.methods:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")
@@ -211,7 +220,8 @@ class _Runner:
                 "decode_tokens_per_s": s.decode_tokens_per_s, "e2e_seconds": e2e,
                 "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
                 "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
-                "tree_nodes": list(s.tree_nodes) if s.tree is not None else None, "tree": s.tree}
+                "tree_nodes": list(s.tree_nodes) if s.tree is not None else None, "tree": s.tree,
+                "weights": engine.target.weights.mode}
 
 
 def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, engines: dict, block_sizes: dict,
@@ -257,7 +267,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
 
     gguf = cfg.llamacpp_gguf
     if target is None:
-        target, src = load_target(cfg.target, cfg.dtype, compile=cfg.compile)
+        target, src = load_target(cfg.target, cfg.dtype, compile=cfg.compile, weights=cfg.weights[0])
         target_name = src.name
         if gguf is None and src.gguf_file:
             gguf = str(Path(src.path) / src.gguf_file)
@@ -363,7 +373,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
         external[m] = LlamaCpp(file, cfg.threads or torch.get_num_threads(), min(target.max_context, 4096), pld)
         notes.append(f"{m}: llama.cpp on {Path(file).name} (its own kernels), "
                      f"{cfg.threads or torch.get_num_threads()} threads")
-    if any(m in methods for m in ("llamacpp-dflash", "llamacpp-dflash-bf16")):
+    if any(m in methods for m in SERVER_METHODS):
         import torch
 
         from .llamacpp_server import build_server_runners
@@ -374,7 +384,30 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             methods, target=cfg.target, target_gguf=gguf, bf16=cfg.llamacpp_bf16_gguf, draft_dir=draft_dir,
             draft_gguf=cfg.llamacpp_draft_gguf, draft_n=cfg.llamacpp_draft_n,
             threads=cfg.threads or torch.get_num_threads(), n_ctx=min(target.max_context, 4096), notes=notes))
+    _add_weights_engines(cfg, target, target_name, tok, draft, draft_desc, gguf, engines, methods, block_sizes,
+                         notes)
     return target, target_name, tok, engines, methods, block_sizes, draft_desc, external
+
+
+def _add_weights_engines(cfg: BenchConfig, target, target_name: str, tok, draft, draft_desc, gguf, engines: dict,
+                         methods: list[str], block_sizes: dict, notes: list[str]) -> None:
+    """For each weights mode after the first: the same HF model with that weight plan, and the requested
+    WEIGHTS_METHODS on it as `method@mode` (their own verify-cost calibration included)."""
+    from ..quant import plan_weights
+    from ..target import TargetModel
+
+    wanted = [m for m in methods if m in WEIGHTS_METHODS]
+    for mode in cfg.weights[1:]:
+        other = TargetModel(target.hf, target.tokenizer, layer_ids=target.layer_ids,
+                            weights=plan_weights(mode, target.hf, gguf))
+        sub_cfg = dataclasses.replace(cfg, methods=tuple(wanted), weights=(mode,))
+        sub_draft = draft if draft is not None else (draft_desc if draft_desc and Path(draft_desc).is_dir() else None)
+        _, _, _, sub_engines, sub_methods, sub_blocks, _, _ = _build(sub_cfg, other, tok, sub_draft, notes)
+        for m in sub_methods:
+            name = f"{m}@{mode}"
+            engines[name], block_sizes[name] = sub_engines[m], sub_blocks[m]
+            methods.insert(methods.index(m) + 1 if m in methods else len(methods), name)
+        notes.append(f"weights {mode}: {other.weights.describe()}")
 
 
 def _load_prompts(cfg: BenchConfig, prompts, notes: list[str]) -> list:
@@ -491,8 +524,14 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     summary = summarize_records(records, methods, block_sizes, cfg.temperatures)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from .manifest import run_manifest
+
+    command = cfg.command or shlex.join(sys.argv)
+    draft_dir = draft_desc if draft_desc and Path(draft_desc).exists() else None
     results = {
-        "config": dataclasses.asdict(cfg), "command": cfg.command or shlex.join(sys.argv),
+        "manifest": run_manifest(command=command, draft=draft_dir, target_file=getattr(target, "source", None),
+                                 weights=target.weights.describe() if hasattr(target, "weights") else None),
+        "config": dataclasses.asdict(cfg), "command": command,
         "machine": machine, "target": target_name, "draft": draft_desc, "methods": methods,
         "block_sizes": block_sizes, "notes": notes, "summary": summary, "records": records,
         "wall_seconds": None, "files": [],
@@ -538,6 +577,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--denoise-steps", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--weights", type=_csv, default=BenchConfig.weights,
+                   help="comma list of weights modes (auto, bf16, int8, int4): the first for every method, each "
+                        "further one reruns " + ",".join(WEIGHTS_METHODS) + " as METHOD@MODE in the same run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", default=None, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
     p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")
@@ -570,7 +612,8 @@ def config_from_args(args) -> BenchConfig:
     temps = args.temperatures if args.temperatures is not None else (args.temperature,)
     return BenchConfig(target=args.target, draft=args.draft, tasks=tuple(args.tasks), methods=tuple(args.methods),
                        n=args.n or None, max_new_tokens=args.max_new_tokens, temperatures=tuple(temps),
-                       block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype, seed=args.seed,
+                       block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype,
+                       weights=tuple(args.weights), seed=args.seed,
                        prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
                        pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
                        tree_budget=args.tree_budget,

@@ -197,7 +197,9 @@ class ServerRunner:
 
 
 # ------------------------------------------------------------------------------------------ the bench's methods
-SERVER_METHODS = ("llamacpp-dflash", "llamacpp-dflash-bf16")  # our DFlash draft in llama.cpp (llama-server)
+# llama-server plain (llama.cpp at its fastest: no Python bindings per token) and with our DFlash draft, on the
+# target's own GGUF and on its bf16 export
+SERVER_METHODS = ("llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
 PLAIN_REFERENCE = {"llamacpp-dflash": "llamacpp", "llamacpp-dflash-bf16": "llamacpp-bf16"}  # same GGUF, no draft
 
 
@@ -220,27 +222,32 @@ def bf16_gguf(target: str | None, given: str | None) -> Path:
 def build_server_runners(methods: list[str], *, target: str | None, target_gguf: str | None, bf16: str | None,
                          draft_dir: Path | None, draft_gguf: str | None, draft_n: int | None, threads: int,
                          n_ctx: int, notes: list[str]) -> dict[str, ServerRunner]:
-    """A started `ServerRunner` per requested `llamacpp-dflash*` method; a method that cannot run is removed from
-    `methods` with a note saying why. The caller closes the servers (`runner.server.close()`)."""
+    """A started `ServerRunner` per requested `llamacpp-server*` / `llamacpp-dflash*` method; a method that cannot
+    run is removed from `methods` with a note saying why. The caller closes the servers (`runner.server.close()`)."""
     from ..gguf_export import cached_gguf
 
     out: dict[str, ServerRunner] = {}
     for m in SERVER_METHODS:
         if m not in methods:
             continue
+        drafted, own_file = "dflash" in m, not m.endswith("-bf16")
         why = server_missing()
-        if why is None and draft_dir is None and draft_gguf is None:
+        if why is None and drafted and draft_dir is None and draft_gguf is None:
             why = "no DFlash draft (--draft DIR, or --llamacpp-draft-gguf FILE)"
-        if why is None and m == "llamacpp-dflash" and not target_gguf:
+        if why is None and own_file and not target_gguf:
             why = "no GGUF file for the target (--llamacpp-gguf PATH)"
         if why is None:
             try:
-                model = Path(target_gguf) if m == "llamacpp-dflash" else bf16_gguf(target, bf16)
-                dg = Path(draft_gguf) if draft_gguf else cached_gguf(draft_dir, target, "bf16")
-                n = draft_n or (default_draft_n(draft_dir) if draft_dir is not None else 3)
-                out[m] = ServerRunner(LlamaServer(model, threads, n_ctx, dg, n))
-                notes.append(f"{m}: llama-server on {model.name} + draft {dg.name}, {n} drafted tokens per step, "
-                             f"{threads} threads")
+                model = Path(target_gguf) if own_file else bf16_gguf(target, bf16)
+                if drafted:
+                    dg = Path(draft_gguf) if draft_gguf else cached_gguf(draft_dir, target, "bf16")
+                    n = draft_n or (default_draft_n(draft_dir) if draft_dir is not None else 3)
+                    out[m] = ServerRunner(LlamaServer(model, threads, n_ctx, dg, n))
+                    notes.append(f"{m}: llama-server on {model.name} + draft {dg.name}, {n} drafted tokens per "
+                                 f"step, {threads} threads")
+                else:
+                    out[m] = ServerRunner(LlamaServer(model, threads, n_ctx))
+                    notes.append(f"{m}: llama-server on {model.name}, no draft, {threads} threads")
             except (OSError, ValueError, RuntimeError, TimeoutError) as e:
                 why = str(e)
         if why is not None:

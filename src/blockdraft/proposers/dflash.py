@@ -46,7 +46,13 @@ class DFlashProposer:
         self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
-        self.lean = lean if isinstance(lean, LeanDraft) else (LeanDraft(draft) if lean else None)
+        # a target on quantized weights gets an 8-bit draft: the draft reads as many bytes per step as a good share
+        # of the target, and its proposals barely move (verification keeps the output exact either way)
+        quantized = getattr(getattr(target, "weights", None), "mode", "bf16") != "bf16"
+        if isinstance(lean, LeanDraft) or not lean:
+            self.lean = lean or None
+        else:
+            self.lean = LeanDraft(draft, weights="int8" if quantized else "bf16")
         # A draft with `next_token_feature` also reads, at each context position, the embedding of the token after
         # it; for the newest position that token (the next anchor) is only known when drafting starts, so its
         # features wait in `_pending` until then.
@@ -135,7 +141,8 @@ class DFlashProposer:
             ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
             vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
             hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
-        if self.vocab_ids is None or getattr(self.target, "_softcap", None):
+        if (self.vocab_ids is None or getattr(self.target, "_softcap", None)
+                or getattr(self.target, "quantized_head", False)):  # the quantized head's rows, gathered once
             logits = self.target.logits(hidden, self.vocab_ids)
         else:
             if self._head is None:

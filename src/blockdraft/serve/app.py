@@ -317,6 +317,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="draft directory, 'none' for plain decoding, 'pld' for prompt lookup (default: shipped)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="weights mode (see `blockdraft generate --help`); the batched engine runs the target's HF "
+                        "modules, so only its LM head takes the quantized weights")
     p.add_argument("--block-size", type=int, default=None, help="tokens per verify step (default: the draft's)")
     p.add_argument("--denoise-steps", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -368,7 +371,7 @@ def build_server(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    target, src = load_target(args.target, args.dtype)
+    target, src = load_target(args.target, args.dtype, weights=args.weights)
     if target.tokenizer is None:
         raise ValueError("the server needs the target's tokenizer")
     proposer, draft_name = None, "none"

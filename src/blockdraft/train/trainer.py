@@ -302,7 +302,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if target is None:
-        target, _ = load_target(cfg.target, cfg.dtype)
+        target, _ = load_target(cfg.target, cfg.dtype, weights="bf16")  # training reads the float model
     target.requires_grad_(False)
     if cfg.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"attention must be auto, sdpa or flex, got {cfg.attention!r}")

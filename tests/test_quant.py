@@ -1,0 +1,379 @@
+"""Quantized weights: the kernels against a naive reference, GGUF blocks against gguf-py's own dequantization, the
+exact mapping of a GGUF file onto a model, and decoding on quantized weights (token-exact, lossless).
+
+Sizes: input widths are multiples of 32 (the block size the formats are defined on; Q4_K / Q6_K need 256), output
+widths stay odd (37, 99) so that a row/column mix-up fails loudly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from blockdraft import quant
+from blockdraft.config import GenerationConfig
+from blockdraft.engine import SpeculativeEngine
+from blockdraft.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
+from blockdraft.target import TargetModel
+from conftest import ToyTokenizer, seeded, tiny_draft
+
+pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
+                                reason=f"no quantized kernels: {quant.kernel_status()}")
+
+
+def _activations(x: torch.Tensor):
+    """What the kernels do to x [M, K]: per block of 32, scale = max|x| / 127 and int8 codes round(x / scale), both
+    in float32 as the kernel computes them; plus each block's exact sum."""
+    m, k = x.shape
+    g = x.float().view(m, k // 32, 32)
+    dx = g.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = (g * inv[..., None]).round()
+    return xq.double(), dx.double(), g.double().sum(-1)
+
+
+def naive_qlinear(x: torch.Tensor, w: quant.QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: x [M, K] -> [M, N] in float64 from the kernels' definition (quant.py / qlinear.cpp)."""
+    xq, dx, xs = _activations(x)
+    n, k = w.shape
+    if isinstance(w, Q4Weight):
+        lo, hi = (w.codes & 15).long(), (w.codes >> 4).long()
+        c = torch.cat([lo.view(n, k // 32, 16), hi.view(n, k // 32, 16)], -1).double()  # [N, G, 32]
+        d, o = w.scale.double(), w.offset.double()
+        dots = torch.einsum("mgj,ngj->mng", xq, c - 8)
+        y = (dots * d[None] * dx[:, None] + (o + 8 * d)[None] * xs[:, None]).sum(-1)
+    else:
+        c = w.codes.double().view(n, k // 16, 16)
+        xh = xq.reshape(xq.shape[0], k // 16, 16)
+        dots = torch.einsum("mhj,nhj->mnh", xh, c)
+        y = (dots * w.scale.double()[None] * dx.repeat_interleave(2, 1)[:, None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> quant.QWeight:
+    w = torch.randn(n, k, generator=gen) * 0.3
+    return quant.quantize_q4(w) if kind == "q4" else quant.quantize_q8(w)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_naive_reference(kind, dtype):
+    gen = torch.Generator().manual_seed(0)
+    # K = 224 = 7 blocks: the kernels reduce four blocks at a time, so this takes both the main and the tail path
+    w = _weights(kind, 37, 224, gen)
+    bias = torch.randn(37, generator=gen)
+    lin = QuantLinear(w, bias)
+    for m in (1, 3, 5, 16):
+        x = torch.randn(m, 224, generator=gen).to(dtype)
+        y = lin(x)
+        assert y.dtype == dtype and y.shape == (m, 37)
+        ref = naive_qlinear(x, w, bias)
+        # float32 accumulation over 7 block terms against a float64 reference: ~1e-6 relative; a bf16 output
+        # rounds to 2^-8 relative
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        err = (y.double() - ref).abs().max() / ref.abs().max()
+        assert err < tol, f"{kind} {dtype} m={m}: {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind):
+    gen = torch.Generator().manual_seed(1)
+    lin = QuantLinear(_weights(kind, 99, 96, gen))
+    x = torch.randn(11, 96, generator=gen)
+    full = lin(x)
+    for i in (0, 4, 10):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])  # bitwise: the exactness of speculative decoding rests on it
+    assert torch.equal(lin(x[3:8]), full[3:8])
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_kernel_refuses_bad_shapes():
+    lin = QuantLinear(_weights("q4", 37, 64, torch.Generator().manual_seed(0)))
+    with pytest.raises(RuntimeError, match=r"\[\.\.\., 64\]"):
+        lin(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        lin(torch.randn(2, 64, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant._load_kernels().q4_linear(torch.randn(2, 48), torch.zeros(37, 24, dtype=torch.uint8),
+                                        torch.zeros(37, 1), torch.zeros(37, 1), None)
+
+
+def test_quantizers_error_is_bounded_by_half_a_step():
+    w = torch.randn(37, 128, generator=torch.Generator().manual_seed(2))
+    q4, q8 = quant.quantize_q4(w), quant.quantize_q8(w)
+    step4 = q4.scale.repeat_interleave(32, 1)
+    assert ((q4.dequantize() - w).abs() <= step4 / 2 + 1e-6).all()
+    step8 = q8.scale.repeat_interleave(16, 1)
+    assert ((q8.dequantize() - w).abs() <= step8 / 2 + 1e-6).all()
+    assert torch.equal(quant.concat([q4.select(torch.arange(5)), q4.select(torch.arange(5, 37))]).codes, q4.codes)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF blocks
+def _gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks [N, bytes per row] of one GGUF type: quantized by gguf-py where it can, else random bytes with
+    sane half-float scales (any such bytes are a valid K-quant block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[kind]
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    block, size = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    halves = {"Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    for off in halves:
+        raw[..., off:off + 2] = rng.uniform(0.01, 0.1, (n, k // block)).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_blocks_decode_as_gguf_py_does(kind):
+    from gguf import GGMLQuantizationType, quants
+
+    raw = _gguf_blocks(kind, 37, 512, np.random.default_rng(3))
+    w = quant.gguf_block_weight(kind, raw, 512)
+    assert isinstance(w, Q8Weight if kind in ("Q8_0", "Q6_K") else Q4Weight)
+    ref = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(37, 512)
+    # the same float32 products, maybe in another association order: a few ulp
+    np.testing.assert_allclose(w.dequantize().numpy(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_unmapped_gguf_type_returns_none():
+    assert quant.gguf_block_weight("Q5_1", np.zeros((4, 24), np.uint8), 32) is None
+
+
+# --------------------------------------------------------------------------------------- a GGUF file, mapped
+def tiny_llama_q(seed: int = 0, dtype=torch.float32, tied: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.5, eos_token_id=97, bos_token_id=0, pad_token_id=0,
+                      tie_word_embeddings=tied)
+    with seeded(seed):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's row order for q/k (its RoPE pairs adjacent rows)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_of(model, path, kinds=("Q4_1", "Q8_0")):
+    """Write the model's linears to a GGUF file as llama.cpp's converter would lay them out (layer linears as
+    kinds[0], the head as kinds[1]), and set the model's weights to the file's dequantized values: afterwards the
+    model *is* the file's model, as for a target loaded from a GGUF."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    cfg = model.config
+    writer = GGUFWriter(str(path), "llama")
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i, layer in enumerate(model.model.layers):
+        for hf, gg in names.items():
+            mod = layer.get_submodule(hf)
+            w = mod.weight.float().numpy()
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(gg)
+            file_w = _llamacpp_permute(w, heads) if heads else w
+            t = GGMLQuantizationType[kinds[0]]
+            blocks = quants.quantize(file_w, t)
+            deq = quants.dequantize(blocks, t).reshape(file_w.shape)
+            if heads:  # back to the model's row order
+                deq = deq.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+            mod.weight.copy_(torch.from_numpy(deq))
+            writer.add_tensor(f"blk.{i}.{gg}.weight", blocks, raw_dtype=t)
+    head = model.lm_head
+    t = GGMLQuantizationType[kinds[1]]
+    blocks = quants.quantize(head.weight.float().numpy(), t)
+    head.weight.copy_(torch.from_numpy(quants.dequantize(blocks, t).reshape(head.weight.shape)))
+    writer.add_tensor("token_embd.weight" if cfg.tie_word_embeddings else "output.weight", blocks, raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _patch_naive(model, plan: WeightPlan) -> None:
+    """Replace each mapped linear's forward by the naive reference on the plan's weight."""
+    head = model.get_output_embeddings()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            w = plan.exact["lm_head" if mod is head else name]
+
+            def fwd(x, w=w, b=mod.bias):
+                flat = x.reshape(-1, x.shape[-1])
+                return naive_qlinear(flat, w, b).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+            mod.forward = fwd
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_plan_maps_every_linear_and_computes_the_files_model(tmp_path, tied, one_thread):
+    model = tiny_llama_q(tied=tied)
+    path = tmp_path / "tiny.gguf"
+    write_gguf_of(model, path)
+    plan = quant.plan_weights("auto", model, path)
+    assert plan.mode == "gguf" and not plan.kept
+    assert len(plan.exact) == 3 * 7 + 1
+    # q/k came permuted in the file: the plan holds them in the model's order
+    for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
+        assert torch.equal(plan.exact[name].dequantize(), model.get_submodule(name).weight)
+    assert isinstance(plan.exact["lm_head"], Q8Weight)
+
+    target = TargetModel(model, ToyTokenizer(), weights=plan)
+    ids = torch.randint(0, 99, (1, 9), generator=torch.Generator().manual_seed(4))
+    got = target.forward(ids, target.new_decode_cache()).logits
+    assert plan.describe()["quantized"] == {"q4": 21} and not plan.describe()["kept"]
+    ref_model = tiny_llama_q(tied=tied)
+    ref_model.load_state_dict(model.state_dict())
+    _patch_naive(ref_model, plan)
+    ref = ref_model(ids).logits
+    # the same arithmetic in float32 (fast path) and float64 (reference) between the same quantization points;
+    # an activation that lands within ~1e-7 of a rounding boundary of its int8 code could flip it, which these
+    # seeded inputs do not hit
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_plan_keeps_what_does_not_match(tmp_path):
+    model = tiny_llama_q()
+    path = tmp_path / "tiny.gguf"
+    write_gguf_of(model, path)
+    model.model.layers[0].mlp.up_proj.weight.mul_(2)  # the file no longer holds this model's weight
+    plan = quant.plan_weights("auto", model, path)
+    assert "model.layers.0.mlp.up_proj" in plan.kept and "model.layers.0.mlp.up_proj" not in plan.exact
+    target = TargetModel(model, ToyTokenizer(), weights=plan)
+    assert target.lean is not None  # gate/up of layer 0 stay float; everything else is quantized
+    assert plan.describe()["quantized"]["q4"] == 3 * 7 - 2
+    assert "model.layers.0.mlp.gate_proj" in plan.kept
+
+
+def test_weights_modes():
+    model = tiny_llama_q()
+    assert quant.plan_weights("auto", model, None).mode == "bf16"  # no GGUF file: float
+    assert quant.plan_weights("int4", model).mode == "int4"
+    with pytest.raises(ValueError, match="unknown weights mode"):
+        quant.plan_weights("int3", model)
+
+
+def test_quantized_head_rows_equal_the_full_heads_columns(one_thread):
+    target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
+    h = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([3, 97, 50, 0, 11])
+    with torch.no_grad():  # as decoding calls it; with grad on (training) the head stays float
+        full = target.logits(h)
+        assert torch.equal(full, QuantLinear(quant.quantize_q8(target.lm_head.weight))(h))
+        assert torch.equal(target.logits(h, rows), full[..., rows])
+
+
+# ------------------------------------------------------------------------------------------ decoding on them
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one_thread):
+    """Greedy DFlash decoding equals plain greedy decoding on the same quantized weights, token for token.
+
+    In fp32 this holds as it does for float weights. In bf16 it holds here because the kernels compute each row
+    alike whatever the number of rows; the float ops around them (norms, attention) can still round a multi-token
+    step differently, so bf16 exactness is shown for this model, not promised for every one."""
+    target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), weights=WeightPlan(mode))
+    from blockdraft.proposers.dflash import DFlashProposer
+
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9])
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    draft = tiny_draft(target, block_size=5, dtype=dtype)
+    spec = SpeculativeEngine(target, DFlashProposer(draft, target)).generate(prompt, cfg)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.target_forwards < plain.stats.target_forwards or spec.stats.tau == 1.0
+    assert target.lean.layers[0].qkv_proj.bits == (4 if mode == "int4" else 8)
+
+
+# ------------------------------------------------------------------------------------- the native decoder stack
+def _python_path(target: TargetModel):
+    """The same target decoding through lean.py's Python layers (the native stack switched off)."""
+    lean = target.lean
+    native, lean.native = lean.native, None
+    return native
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_native_stack_matches_the_python_layers(bits, one_thread):
+    target = TargetModel(tiny_llama_q(), ToyTokenizer(), layer_ids=(0, 2), weights=WeightPlan(bits))
+    assert target.lean.native is not None, target.lean.native_reason
+    gen = torch.Generator().manual_seed(6)
+    prompt, steps = torch.randint(0, 99, (1, 11), generator=gen), torch.randint(0, 99, (1, 4), generator=gen)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # 0 -> {1, 2 -> 3}
+    depth = torch.tensor([[0, 1, 1, 2]])
+
+    def run():
+        cache = target.new_decode_cache(8)  # small: the stack must see the cache grow
+        outs = [target.forward(prompt, cache)]
+        outs.append(target.forward(steps[:, :1], cache))
+        outs.append(target.forward(steps, cache, positions=cache.length + depth, tree_mask=tree))
+        return outs, cache
+
+    with torch.no_grad():
+        native_outs, native_cache = run()
+        saved = _python_path(target)
+        try:
+            ref_outs, ref_cache = run()
+        finally:
+            target.lean.native = saved
+    # float32 both ways; the stack sums norms and attention in another order than torch's kernels: ~1e-6 relative
+    for a, b in zip(native_outs, ref_outs):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)
+    n = ref_cache.length
+    assert native_cache.length == n
+    torch.testing.assert_close(native_cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(native_cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_stack_rows_equal_one_token_steps(dtype, one_thread):
+    """A T-token forward gives, row for row, the bits of T one-token steps: what makes a verify exact."""
+    target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), layer_ids=(1,), weights=WeightPlan("int4"))
+    assert target.lean.native is not None
+    ids = torch.randint(0, 99, (1, 14), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        c1 = target.new_decode_cache(32)
+        target.forward(ids[:, :9], c1)
+        block = target.forward(ids[:, 9:], c1)
+        c2 = target.new_decode_cache(32)
+        target.forward(ids[:, :9], c2)
+        for j in range(5):
+            one = target.forward(ids[:, 9 + j:10 + j], c2)
+            assert torch.equal(one.logits[0, 0], block.logits[0, j])
+            assert torch.equal(one.features[0, 0], block.features[0, j])
+
+
+def test_native_stack_with_biases_and_refusals(one_thread):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, initializer_range=0.5)
+    with seeded(0):
+        hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+        for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_()
+    target = TargetModel(hf, ToyTokenizer(), weights=WeightPlan("int8"))
+    assert target.lean.native is not None
+    ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = target.forward(ids, target.new_decode_cache()).logits
+        saved = _python_path(target)
+        ref = target.forward(ids, target.new_decode_cache()).logits
+        target.lean.native = saved
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # as above
+
+    q3 = Qwen3Config(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    assert "Qwen3" in TargetModel(Qwen3ForCausalLM(q3).eval(), weights=WeightPlan("int4")).lean.native_reason
+    plain = TargetModel(tiny_llama_q(), ToyTokenizer())
+    assert plain.lean.native is None and "quantized" in plain.lean.native_reason
