@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup demo test test-slow llamacpp clean-venv
+.PHONY: setup demo test test-slow llamacpp llamacpp-tools clean-venv
 
 setup: $(STAMP)
 
@@ -49,13 +49,16 @@ BLOCKDRAFT_CACHE ?= $(HOME)/.cache/blockdraft
 LLAMACPP_BUILD := $(BLOCKDRAFT_CACHE)/llama.cpp/build
 LLAMACPP_BIN := $(BLOCKDRAFT_CACHE)/llama.cpp/bin
 LLAMACPP_TOOLS := llama-server llama-speculative-simple llama-completion
-llamacpp: setup
-	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary :all: \
-		'llama-cpp-python==$(LLAMACPP_VERSION)' -d cache/llamacpp
-	test -d $(LLAMACPP_SRC) || tar xzf $(LLAMACPP_SDIST) -C cache/llamacpp
+llamacpp: llamacpp-tools
 	$(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMACPP_VERSION)')" 2>/dev/null || \
 		CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)'" \
 		$(PIP) install --no-cache-dir $(LLAMACPP_SDIST)
+
+# llama.cpp's own tools only (llama-server: the bench's `llamacpp-server*` and `llamacpp-dflash*` methods), ~22 min
+llamacpp-tools: setup
+	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary :all: \
+		'llama-cpp-python==$(LLAMACPP_VERSION)' -d cache/llamacpp
+	test -d $(LLAMACPP_SRC) || tar xzf $(LLAMACPP_SDIST) -C cache/llamacpp
 	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 		-DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)' -DBUILD_SHARED_LIBS=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF

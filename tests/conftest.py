@@ -51,6 +51,21 @@ def tiny_qwen3(seed: int = 0, layers: int = 4, dtype=torch.float32):
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def tiny_qwen2_with_biases(seed: int = 0, hidden: int = 32, intermediate: int = 37, dtype=torch.float32):
+    """A tiny Qwen2 (q/k/v biases) whose biases are random: HF zero-initialises them, which would hide a path that
+    drops them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)
+    with seeded(seed):
+        model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_()
+    return model.to(dtype)
+
+
 def tiny_draft(target: TargetModel, layers: int = 2, block_size: int = 8, seed: int = 1,
                dtype=torch.float32) -> DFlashDraftModel:
     cfg = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block_size,

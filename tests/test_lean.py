@@ -13,7 +13,7 @@ from blockdraft.engine import SpeculativeEngine
 from blockdraft.lean import LeanDecoder, Linear, packed_linear_available
 from blockdraft.target import TargetCache, TargetModel
 
-from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama, tiny_qwen3
+from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen2_with_biases, tiny_qwen3
 
 
 def _pair(kind: str, dtype=torch.float32) -> tuple[TargetModel, TargetModel]:
@@ -106,15 +106,7 @@ def test_supports_reports_what_it_cannot_run():
 
 
 def test_qwen2_biases_on_lean_path(one_thread):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, initializer_range=0.5)
-    with seeded(0):
-        hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
-        for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
-            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                p.bias.normal_()
+    hf = tiny_qwen2_with_biases()
     lean, ref = TargetModel(hf), TargetModel(hf, lean=False)
     assert lean.lean is not None
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(2))

@@ -15,7 +15,7 @@ from blockdraft.config import GenerationConfig
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, seeded, tiny_draft
+from conftest import ToyTokenizer, seeded, tiny_draft, tiny_qwen2_with_biases
 
 pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
                                 reason=f"no quantized kernels: {quant.kernel_status()}")
@@ -353,15 +353,9 @@ def test_native_stack_rows_equal_one_token_steps(dtype, one_thread):
 
 
 def test_native_stack_with_biases_and_refusals(one_thread):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, initializer_range=0.5)
-    with seeded(0):
-        hf = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
-        for layer in hf.model.layers:  # HF zero-initialises biases; make them matter
-            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                p.bias.normal_()
+    hf = tiny_qwen2_with_biases(hidden=64, intermediate=96)
     target = TargetModel(hf, ToyTokenizer(), weights=WeightPlan("int8"))
     assert target.lean.native is not None
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(8))

@@ -207,11 +207,6 @@ class QuantLinear:
     def bits(self) -> int:
         return 4 if isinstance(self.weight, Q4Weight) else 8
 
-    @property
-    def nbytes(self) -> int:
-        w = self.weight
-        return sum(t.numel() * t.element_size() for t in vars(w).values())
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step makes ~120 of these calls on small matrices: the kernel and its arguments are bound once
         # x [..., K] -> [..., N]; the kernel checks x (shape, float32 / bf16, CPU) and refuses what it cannot run
