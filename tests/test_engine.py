@@ -1,5 +1,7 @@
 """The decode loop: greedy losslessness (fp32, token-exact) at both extremes, stops, streaming, bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -195,3 +197,54 @@ def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
     want = naive_greedy(target, prompt, 12)
     for eng in engines + engines:
         assert eng.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids == want
+
+
+def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target):
+    """With a verify cost that makes every extra token dear, the proposer stops drafting after its first measured
+    step (exploring again every ADAPT_EXPLORE_EVERY steps); with a flat one it drafts full blocks. The output is
+    plain decoding's either way: only the number of drafted tokens changes, verification does not."""
+    from blockdraft.calibrate import VerifyCost
+    from blockdraft.proposers.dflash import ADAPT_EXPLORE_EVERY, DFlashProposer
+
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    want = SpeculativeEngine(llama_target).generate(prompt, cfg).token_ids
+    draft = tiny_draft(llama_target, block_size=5)
+    dear = VerifyCost([1.0] + [1000.0] * 15)
+    flat = VerifyCost([1.0] * 16)
+    for cost in (dear, flat):
+        prop = DFlashProposer(draft, llama_target, verify_cost=cost)
+        assert SpeculativeEngine(llama_target, prop).generate(prompt, cfg).token_ids == want
+        widths = prop.widths
+        if cost is dear:
+            assert widths[0] == 4 and widths.count(0) > len(widths) // 2
+            # a drafting step only to measure again: the first, then one after each full run of skips (its width
+            # is the block, or what is left of max_new_tokens)
+            for i, w in enumerate(widths[1:], start=1):
+                assert w == 0 or widths[i - ADAPT_EXPLORE_EVERY:i] == [0] * ADAPT_EXPLORE_EVERY, widths
+        else:  # every step drafts what a fixed width drafts: the block, or what max_new_tokens leaves
+            fixed = DFlashProposer(draft, llama_target)
+            SpeculativeEngine(llama_target, fixed).generate(prompt, cfg)
+            assert widths == fixed.widths and widths[0] == 4
+
+
+def test_choose_width_maximises_expected_tokens_per_second(llama_target):
+    from blockdraft.calibrate import VerifyCost
+    from blockdraft.proposers.dflash import DFlashProposer
+
+    cost = VerifyCost([1.0, 1.2, 1.5, 2.5, 3.0])
+    prop = DFlashProposer(tiny_draft(llama_target, block_size=5), llama_target, verify_cost=cost)
+    prop._draft_seconds = 0.3
+    prop._accepted, prop._trials = [9.0, 6.0, 1.0, 5.0], [10.0, 10.0, 10.0, 10.0]  # conditional rates .9 .6 .1 .5
+
+    def naive(limit):
+        rates, best, best_rate = [0.9, 0.6, 0.1, 0.5], 0, 1 / cost.chain(1)
+        for g in range(1, limit + 1):
+            expected = 1 + sum(math.prod(rates[:i]) for i in range(1, g + 1))
+            if expected / (cost.chain(g + 1) + 0.3) > best_rate:
+                best, best_rate = g, expected / (cost.chain(g + 1) + 0.3)
+        return best
+
+    for limit in range(5):
+        assert prop.choose_width(limit) == naive(limit)
+    assert prop.choose_width(4) == 2  # the third position's 10% does not pay for its verify

@@ -23,6 +23,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="decode through the target's HF modules and dynamic cache instead of the lean path")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the lean path's dense layers (minutes of compile; not faster on our CPU)")
+    p.add_argument("--fixed-width", action="store_true",
+                   help="always draft block size - 1 tokens (default: choose 0 .. block size - 1 per step from the "
+                        "measured verify cost, the draft's time and its acceptance so far, skipping the draft where "
+                        "it does not pay)")
     p.add_argument("--tree", action="store_true",
                    help="verify a tree of the draft's best candidates per step instead of its top-1 chain")
     p.add_argument("--tree-lookup", action="store_true",
@@ -68,7 +72,8 @@ def _load(args):
         engine = build_tree_engine(target, draft, lookup=args.tree_lookup, budget=args.tree_budget,
                                    block_size=args.block_size, recalibrate=args.tree_recalibrate)
     else:
-        engine = build_engine(target, draft, args.block_size, args.denoise_steps)
+        engine = build_engine(target, draft, args.block_size, args.denoise_steps, adaptive=not args.fixed_width,
+                              recalibrate=args.tree_recalibrate)
     log.info("target=%s draft=%s dtype=%s weights=%s %s %s", src.name, draft or "none", args.dtype,
              target.weights.describe(), gen_cfg, sampling)
     return engine, gen_cfg, sampling, draft

@@ -195,9 +195,13 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
     return TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source), src
 
 
-def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1):
+def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1,
+                 adaptive: bool = False, recalibrate: bool = False):
     """A SpeculativeEngine for the target with the draft at draft_path (None: plain decoding). An EAGLE draft
-    (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps)."""
+    (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps).
+    adaptive: a DFlash draft chooses per step how many tokens to draft (0 .. block_size - 1) from this target's
+    verify-cost calibration (cached; measured now if there is none or if recalibrate), its own measured time and
+    acceptance, so that drafting is skipped where it does not pay."""
     from .draft import DFlashDraftModel
     from .eagle import EagleDraftModel, is_eagle_draft
     from .engine import SpeculativeEngine
@@ -211,7 +215,16 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
         gamma = block_size - 1 if block_size else None
         return SpeculativeEngine(target_model, EagleProposer(draft, target_model, gamma))
     draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
-    return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps))
+    cost = None
+    if adaptive:
+        from .calibrate import load_or_measure
+
+        proposer = DFlashProposer(draft, target_model, block_size, denoise_steps)
+        if proposer.layer_ids:
+            target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it runs: features tapped
+        cost = load_or_measure(target_model, refresh=recalibrate)
+    return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps,
+                                                          verify_cost=cost))
 
 
 def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = False, budget: int | None = None,

@@ -3,6 +3,9 @@
 Methods:
 - `ar`: the engine with no proposer (plain autoregressive decoding), the baseline of every ratio;
 - `dflash`: the engine with the DFlash draft (skipped, with a note, when there is no draft);
+- `dflash-adaptive`: `dflash` choosing per step how many tokens to draft (0 .. block size - 1) from a verify-cost
+  calibration measured at start, the draft's measured time and its running acceptance (what `generate` does unless
+  `--fixed-width`);
 - `dflash-tree`, `dflash+lookup`: the same draft's candidate tree (its best branches) verified in one target forward,
   and that tree with prompt-lookup continuations as extra branches (issue #13; `--tree-budget N` fixes the nodes per
   step, default: chosen per step from a verify-cost calibration measured when the benchmark starts);
@@ -55,16 +58,16 @@ from .report import _fmt_t, _num, _spd, make_plots, render_report, summarize_rec
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup",
+METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup",
            "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld",
            "llamacpp-bf16", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
-ENGINE_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "ar-hf", "dflash-hf")
+ENGINE_METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "pld", "eagle", "ar-hf", "dflash-hf")
 # external references run at temperature 0 only
 GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash",
                "llamacpp-dflash-bf16")
 # methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights
-WEIGHTS_METHODS = ("ar", "dflash", "dflash-tree", "dflash+lookup", "pld")
+WEIGHTS_METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "pld")
 # methods with accept-length / per-position statistics
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
@@ -303,6 +306,18 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             eng.tokenizer = tok
             engines["dflash"] = eng
             block_sizes["dflash"] = cfg.block_size or eng.proposer.block_size
+    if "dflash-adaptive" in methods:
+        path = (resolve_draft(cfg.draft, target_name) if draft is None
+                else Path(draft) if isinstance(draft, (str, Path)) else None)
+        if path is None:
+            methods.remove("dflash-adaptive")
+            notes.append("dflash-adaptive skipped: it needs a draft directory")
+        else:
+            eng = build_engine(target, path, cfg.block_size, cfg.denoise_steps, adaptive=True, recalibrate=True)
+            eng.tokenizer = tok
+            engines["dflash-adaptive"] = eng
+            block_sizes["dflash-adaptive"] = cfg.block_size or eng.proposer.block_size
+            draft_desc = draft_desc or str(path)
     if any(m in methods for m in ("dflash-tree", "dflash+lookup")):
         desc = _add_tree_engines(cfg, target, target_name, tok, draft, engines, block_sizes, methods, notes)
         draft_desc = draft_desc or desc

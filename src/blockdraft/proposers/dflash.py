@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -19,14 +20,20 @@ from . import Proposal
 from .lookup import lookup_continuation
 
 
+ADAPT_EXPLORE_EVERY = 8  # with an adaptive width: steps without drafting before one full block is tried again
+
+
 class DFlashProposer:
     name = "dflash"
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
-                 denoise_steps: int = 1, lean: bool | LeanDraft = True) -> None:
+                 denoise_steps: int = 1, lean: bool | LeanDraft = True, verify_cost=None) -> None:
         """lean: run the draft through `LeanDraft` (fused, prepacked weights; a snapshot of the draft's weights
         now), else through the module (the reference the tests compare with); a LeanDraft of this draft is shared
-        as it is (it holds no per-sequence state: the batched engine's per-row clones use one)."""
+        as it is (it holds no per-sequence state: the batched engine's per-row clones use one).
+        verify_cost: a `calibrate.VerifyCost` of this target; given, each step drafts the number of tokens (0 to
+        block_size - 1) that maximises expected committed tokens per second (`choose_width`), else always
+        block_size - 1."""
         check_compatible(draft.config, target)
         # default: the block size the draft's card recommends for decoding (a measured choice, e.g. a weak draft
         # on a CPU verifies fewer tokens per step), else the one it was trained with
@@ -38,6 +45,8 @@ class DFlashProposer:
         self.draft, self.target = draft, target
         self.block_size = bs
         self.denoise_steps = denoise_steps
+        self.verify_cost = verify_cost
+        self._reset_rates()
         # A draft trained with --no-target-features (the paper's ablation) has no context: the block sees itself only.
         self.use_context = not draft.config.extra.get("no_target_features", False)
         self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
@@ -76,10 +85,9 @@ class DFlashProposer:
         self.ctx.append(ks, vs)
 
     def _add(self, features: torch.Tensor) -> None:
-        if self.next_token:
-            self._pending.append(features)
-        else:
-            self._append_context(features)
+        # projected when the draft next runs (`_flush`): steps that skip the draft skip this work too, and a
+        # draft with `next_token_feature` needs the token after each position, known only then
+        self._pending.append(features)
 
     def _flush(self, tokens: torch.Tensor) -> None:
         """Append the waiting context positions now that `tokens` [n] (through the anchor) are known."""
@@ -88,12 +96,41 @@ class DFlashProposer:
         feats = torch.cat(self._pending, dim=1) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
         start = self.ctx.length
-        self._append_context(feats, tokens[start + 1: start + 1 + feats.shape[1]])
+        nxt = tokens[start + 1: start + 1 + feats.shape[1]] if self.next_token else None
+        self._append_context(feats, nxt)
+
+    # ------------------------------------------------------------------------------------ how many to draft
+    def _reset_rates(self) -> None:
+        g = max(0, self.block_size - 1)
+        # running conditional acceptance per draft position: a prior of one accept in two trials (50%)
+        self._accepted, self._trials = [1.0] * g, [2.0] * g
+        self._draft_seconds: float | None = None  # running mean of one draft forward, measured
+        self._last_drafted = 0
+        self._skip_run = 0
+        self.widths: list[int] = []  # tokens drafted per step (adaptive width)
+
+    def choose_width(self, limit: int) -> int:
+        """Tokens to draft now, 0..limit: the g maximising (1 + sum_i P(first i drafts accepted)) / (verify(g+1)
+        + draft time if g > 0), from the calibration, the measured draft time and the running per-position
+        acceptance. After ADAPT_EXPLORE_EVERY steps without drafting, one full block is drafted to measure again."""
+        if self.verify_cost is None or limit <= 0:
+            return max(0, limit)
+        if self._draft_seconds is None or self._skip_run >= ADAPT_EXPLORE_EVERY:
+            return limit
+        best, best_rate, reach, expected = 0, 1.0 / self.verify_cost.chain(1), 1.0, 1.0
+        for g in range(1, limit + 1):
+            reach *= self._accepted[g - 1] / self._trials[g - 1]
+            expected += reach
+            rate = expected / (self.verify_cost.chain(g + 1) + self._draft_seconds)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         self.ctx.reset()
         self._pending = []
+        self._reset_rates()
         if self.use_context:
             assert features is not None and features.dim() == 3, "DFlash needs the prompt's features [1, n0, K*H]"
             self._add(features)
@@ -102,6 +139,11 @@ class DFlashProposer:
     def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
         assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
         self._add(features)
+        a, g = num_committed - 1, self._last_drafted
+        for i in range(min(a + 1, g)):  # positions 0..a-1 accepted; position a (if drafted) rejected
+            self._trials[i] += 1
+            self._accepted[i] += i < a
+        self._last_drafted = 0
 
     @torch.no_grad()
     def _scores(self, tokens: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, Callable, Callable]:
@@ -173,9 +215,13 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        g = min(num_draft, self.block_size - 1)
+        g = self.choose_width(min(num_draft, self.block_size - 1))
+        self.widths.append(g)
         if g <= 0:
+            self._skip_run += 1
             return Proposal(tokens.new_zeros(0), None)
+        self._skip_run = 0
+        t0 = time.perf_counter()
         n = tokens.shape[0]
         self._flush(tokens)
         assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
@@ -218,4 +264,7 @@ class DFlashProposer:
                 q[chosen] = probs[chosen]
             fixed[chosen] = True
             block[1:][chosen] = cand[chosen]
+        dt = time.perf_counter() - t0
+        self._draft_seconds = dt if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * dt
+        self._last_drafted = g
         return Proposal(out, q)
