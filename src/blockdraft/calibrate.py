@@ -1,4 +1,4 @@
-"""Verify-cost calibration: how long the target takes to verify N tokens at once, N = 1..64 (issue #13).
+"""Verify-cost calibration: how long the target takes to verify N tokens at once, N = 1..64.
 
 A tree's node budget trades acceptance for verify time. On a CPU with bf16 matrix units a 16-token verify costs
 little more than a 1-token step, but the curve is machine-, dtype- and thread-specific, so it is measured rather than

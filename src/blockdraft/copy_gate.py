@@ -3,7 +3,7 @@
 Why: the draft reads the target only through its features, and a tapped feature at a context position holds the
 target's prediction there, not the token that came; context positions never attend to each other inside the draft.
 So "what followed the last occurrence of my suffix" is out of its reach. On the default target's held-out records
-(teacher-forced, every anchor, the 8th-session draft) a 3-gram lookup match exists at 69% of anchors and its next
+(teacher-forced, every anchor, the 8th-round draft) a 3-gram lookup match exists at 69% of anchors and its next
 token is right 84-90% of the time, while the draft is right there 58% (ShareGPT) to 81% (math); the draft or the
 lookup is right at 83% / 92% of anchors (ShareGPT / math) against the draft's 55% / 81% alone
 (`scripts/copy_ceiling.py`, `benchmarks/smollm2-135m-9th/copy_ceiling.json`).

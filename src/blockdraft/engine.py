@@ -4,7 +4,7 @@ Invariant at the top of every step (n = committed tokens, prompt included): the 
 (the last committed token t is not in it yet) and a feature-conditioned proposer holds context for the same n-1.
 A step feeds [t, d_1..d_G] to the target at positions n-1..n-1+G, commits a+1 tokens and crops the cache to n+a.
 With no proposer (G = 0) the same loop is plain autoregressive decoding, the fair baseline.
-A tree proposer (proposers/tree.py, issue #13) proposes a candidate tree rooted at t instead of a chain; the target
+A tree proposer (proposers/tree.py) proposes a candidate tree rooted at t instead of a chain; the target
 verifies all its nodes in one forward, and the cache keeps the accepted path only (`_verify_tree`), so the invariant
 holds the same way.
 """

@@ -1,5 +1,5 @@
 """GGUF export for llama.cpp: a blockdraft DFlash draft as llama.cpp's `dflash` architecture (what
-`--spec-type draft-dflash -md DRAFT.gguf` loads), and a bf16 copy of a GGUF target (issue #14).
+`--spec-type draft-dflash -md DRAFT.gguf` loads), and a bf16 copy of a GGUF target.
 
 Why our own writer and not llama.cpp's `convert_hf_to_gguf.py`: its DFlash class has no reduced-vocabulary path
 (`Can not map tensor 'model.d2t'` on our default draft), and it needs the llama.cpp source tree. The layout below is

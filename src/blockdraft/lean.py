@@ -1,7 +1,7 @@
 """A lean decode path for LLaMA-family targets (LLaMA/SmolLM2, Qwen2/2.5, Qwen3): fused and prepacked weights, a
 preallocated KV cache, few ops per layer.
 
-Why (issue #8): a decode step of a small target through the Hugging Face modules pays framework overhead on top of
+Why: a decode step of a small target through the Hugging Face modules pays framework overhead on top of
 its matmuls, and the matmuls themselves run slower than they need to: for bf16 on this CPU, oneDNN's prepacked
 linear is 1.3-1.6x faster than `F.linear` at 1-16 rows, with bit-identical results. This path keeps the target's
 weights but

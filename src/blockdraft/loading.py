@@ -229,7 +229,7 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
 
 def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = False, budget: int | None = None,
                       block_size: int | None = None, verify_cost=None, draft=None, recalibrate: bool = False):
-    """A SpeculativeEngine that verifies candidate trees (issue #13): the DFlash draft's best branches
+    """A SpeculativeEngine that verifies candidate trees: the DFlash draft's best branches
     (`dflash-tree`), plus prompt-lookup continuations with lookup=True (`dflash+lookup`; without a draft: lookup
     branches only). budget: fixed candidate nodes per step; None: chosen per step from `verify_cost` (default: the
     cached calibration of this target, measured now if there is none or if recalibrate). draft: an already-loaded

@@ -135,11 +135,6 @@ def concat(ws: list[QWeight]) -> QWeight:
     return Q8Weight(*(torch.cat([getattr(w, f) for w in ws]) for f in ("codes", "scale")))
 
 
-def permute_rows(w: QWeight, perm: torch.Tensor) -> QWeight:
-    """Reorder output rows (e.g. undo llama.cpp's interleaving of q/k rows for RoPE)."""
-    return w.select(perm)
-
-
 # ------------------------------------------------------------------------------------------------- the kernels
 _kernels = None
 _kernel_reason: str | None = "not loaded yet"
@@ -370,7 +365,7 @@ def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...]
         return w
     for h in head_counts:
         if h and w.shape[0] % (2 * h) == 0:
-            p = permute_rows(w, llama_rope_rows(w.shape[0], h))
+            p = w.select(llama_rope_rows(w.shape[0], h))
             if close(p):
                 return p
     return None

@@ -1,4 +1,4 @@
-"""Candidate trees: many continuations of the committed text, verified by the target in one forward (issue #13).
+"""Candidate trees: many continuations of the committed text, verified by the target in one forward.
 
 A DFlash forward yields a distribution at every block position; the chain keeps only the top-1 token per position
 and throws the near-misses away. A tree keeps the most promising alternatives (DDTree-style best-first expansion

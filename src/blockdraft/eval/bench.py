@@ -7,13 +7,13 @@ Methods:
   calibration measured at start, the draft's measured time and its running acceptance (what `generate` does unless
   `--fixed-width`);
 - `dflash-tree`, `dflash+lookup`: the same draft's candidate tree (its best branches) verified in one target forward,
-  and that tree with prompt-lookup continuations as extra branches (issue #13; `--tree-budget N` fixes the nodes per
+  and that tree with prompt-lookup continuations as extra branches (`--tree-budget N` fixes the nodes per
   step, default: chosen per step from a verify-cost calibration measured when the benchmark starts);
 - `pld`: the engine with prompt-lookup drafting (`PromptLookupProposer`);
 - `eagle`: the engine with an EAGLE-3 drafter (`EagleProposer`, chains of --gamma tokens; skipped, with a note,
   without --eagle-draft), the autoregressive-drafter baseline of the paper;
 - `ar-hf`, `dflash-hf`: `ar` and `dflash` with the target run through its Hugging Face modules and dynamic cache
-  instead of the lean path (`lean.py`): the "before" of issue #8, for the per-step time split;
+  instead of the lean path (`lean.py`): the "before" of the lean path, for the per-step time split;
 - `hf`: Hugging Face `generate` (eager) on the same HF model, plain decoding: what a transformers user gets;
 - `hf-pld`: Hugging Face `generate(prompt_lookup_num_tokens=...)` on the same HF model (greedy only, end-to-end
   time only);
@@ -26,7 +26,7 @@ Methods:
 - `llamacpp-dflash`, `llamacpp-dflash-bf16`: our DFlash draft (exported to GGUF) in llama.cpp's own DFlash
   (`llama-server --spec-type draft-dflash` on a loopback port, built by `make llamacpp`) on the `llamacpp` and
   `llamacpp-bf16` files, greedy only; tau is llama.cpp's mean acceptance length, and `plain match` says whether the
-  greedy output equals the plain method's on the same file (issue #14). Skipped with a note when the tools are not
+  greedy output equals the plain method's on the same file. Skipped with a note when the tools are not
   built.
 
 Fairness: one target instance serves every method; one short warm-up generation per method is not measured;
@@ -229,7 +229,7 @@ class _Runner:
 
 def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, engines: dict, block_sizes: dict,
                       methods: list[str], notes: list[str]) -> str | None:
-    """Engines of the tree methods (issue #13) on the DFlash draft, sharing one verify-cost calibration that is
+    """Engines of the tree methods on the DFlash draft, sharing one verify-cost calibration that is
     measured now, so that the per-step budget reflects the machine as the benchmark finds it. Returns the draft's
     description (None when there is no draft: the tree methods are then skipped with a note)."""
     from ..draft import DFlashDraftModel

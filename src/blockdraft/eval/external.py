@@ -2,7 +2,7 @@
 
 - `hf_generate`: Hugging Face `generate` on the same HF model (plain, or with its prompt-lookup assistant);
 - `LlamaCpp`: llama.cpp through llama-cpp-python on the target's GGUF file (plain, or with llama-cpp-python's
-  prompt-lookup draft), the runtime CPU users pick today (issue #8). It is an optional extra (see the README:
+  prompt-lookup draft), the runtime CPU users pick today. It is an optional extra (see the README:
   the source build needs ggml's AMX kernels switched off on CPUs where they crash).
 
 Each returns the same record fields as the engine's runs. Decode tokens/s is measured the same way for all: tokens

@@ -1,5 +1,5 @@
 """llama.cpp's own server as a bench reference: `llama-server` on a loopback port, plain or with one of our DFlash
-drafts exported to GGUF (`--spec-type draft-dflash`, issue #14).
+drafts exported to GGUF (`--spec-type draft-dflash`).
 
 The tools come from `make llamacpp` (the llama.cpp tree vendored by the pinned llama-cpp-python sdist, built with
 ggml's AMX kernels compiled out) in `tools_dir()`. A server is started once per (model, draft) and serves every

@@ -1,6 +1,6 @@
 """Tree proposer: one DFlash forward and/or prompt lookup -> a candidate tree that the target verifies in one forward.
 
-Methods (issue #13): `dflash-tree` (the draft's best branches) and `dflash+lookup` (the same tree plus prompt-lookup
+Methods: `dflash-tree` (the draft's best branches) and `dflash+lookup` (the same tree plus prompt-lookup
 continuations as extra branches, merged where the draft proposes the same tokens). The engine drives it through
 `propose_tree` / `accept_tree` instead of `propose` / `accept` (see engine.py).
 

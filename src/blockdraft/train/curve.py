@@ -1,4 +1,4 @@
-"""Learning-curve metrics of the fast path (issue #16): held-out top-1 accuracy per block position at fixed, seeded
+"""Learning-curve metrics of the fast path: held-out top-1 accuracy per block position at fixed, seeded
 anchors and the tau it implies (`evaluate`), and greedy decoding replayed on held-out text (`walk_tau`), whose anchors
 are the ones real decoding visits.
 """

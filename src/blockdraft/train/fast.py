@@ -1,4 +1,4 @@
-"""Draft training on the cached target outputs, built for CPU minutes (issue #16).
+"""Draft training on the cached target outputs, built for CPU minutes.
 
 What makes it fast per CPU-second, against the generic trainer (`trainer.py`):
 - the target never runs during training: features, greedy labels and top-k logits come from a teacher cache

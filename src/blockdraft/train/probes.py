@@ -1,4 +1,4 @@
-"""Reference predictors for a draft's position 1 (issue #16): what a draft should beat.
+"""Reference predictors for a draft's position 1: what a draft should beat.
 
 For a block anchored at p, block row 1 predicts the target's token after position p. Two small MLPs through the
 target's frozen LM head (draft vocabulary rows) predict the same label from less:

@@ -1,4 +1,4 @@
-"""The target's outputs over the training records, computed once and kept on disk (issue #16, item 3).
+"""The target's outputs over the training records, computed once and kept on disk.
 
 A draft's training step needs, for every training sequence, the tapped target features and (for target labels or
 distillation) the target's own next-token choice at every position. Computing them online costs a target forward
