@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", default="1,27", help="tapped target layers (the default draft's)")
+    p.add_argument("--paths", default="bf16-python,auto-python,auto-native", help="configurations to time")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -48,6 +49,7 @@ def main() -> int:
     python.lean.native = None  # the same quantized weights through the Python layers
     bf16 = TargetModel(auto.hf, auto.tokenizer, layer_ids=taps)
     configs = {"bf16-python": bf16, "auto-python": python, "auto-native": auto}
+    configs = {name: configs[name] for name in args.paths.split(",")}
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, auto.vocab_size, (1, args.context), generator=gen)
     caches = {}

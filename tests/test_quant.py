@@ -50,20 +50,28 @@ def naive_qlinear(x: torch.Tensor, w: quant.QWeight, bias: torch.Tensor | None =
     return y if bias is None else y + bias.double()
 
 
-def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> quant.QWeight:
+def _weights(kind: str, n: int, k: int, gen: torch.Generator, half_scales: bool = False) -> quant.QWeight:
+    """Random weights quantized; half_scales rounds the scales (and offsets) to float16 values, as GGUF's Q4_0 /
+    Q4_1 / Q8_0 blocks have them: the kernels then hold them in float16, else in float32."""
     w = torch.randn(n, k, generator=gen) * 0.3
-    return quant.quantize_q4(w) if kind == "q4" else quant.quantize_q8(w)
+    q = quant.quantize_q4(w) if kind == "q4" else quant.quantize_q8(w)
+    if not half_scales:
+        return q
+    h = lambda t: t.half().float()  # noqa: E731
+    return Q4Weight(q.codes, h(q.scale), h(q.offset)) if kind == "q4" else Q8Weight(q.codes, h(q.scale))
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_naive_reference(kind, dtype):
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_kernel_matches_naive_reference(kind, dtype, half_scales):
     gen = torch.Generator().manual_seed(0)
-    # K = 224 = 7 blocks: the kernels reduce four blocks at a time, so this takes both the main and the tail path
-    w = _weights(kind, 37, 224, gen)
+    # K = 224 = 7 blocks; N = 37 leaves the last panel of 8 columns part-filled; rows go in groups of up to 4, so
+    # m = 1, 3, 6, 16 take every group size
+    w = _weights(kind, 37, 224, gen, half_scales)
     bias = torch.randn(37, generator=gen)
     lin = QuantLinear(w, bias)
-    for m in (1, 3, 5, 16):
+    for m in (1, 3, 6, 16):
         x = torch.randn(m, 224, generator=gen).to(dtype)
         y = lin(x)
         assert y.dtype == dtype and y.shape == (m, 37)
@@ -76,9 +84,11 @@ def test_kernel_matches_naive_reference(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind):
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales):
     gen = torch.Generator().manual_seed(1)
-    lin = QuantLinear(_weights(kind, 99, 96, gen))
+    lin = QuantLinear(_weights(kind, 99, 96, gen, half_scales))
+    assert lin.native().scale_bits == (16 if half_scales else 32)
     x = torch.randn(11, 96, generator=gen)
     full = lin(x)
     for i in (0, 4, 10):
@@ -99,8 +109,8 @@ def test_kernel_refuses_bad_shapes():
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         lin(torch.randn(2, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        quant._load_kernels().q4_linear(torch.randn(2, 48), torch.zeros(37, 24, dtype=torch.uint8),
-                                        torch.zeros(37, 1), torch.zeros(37, 1), None)
+        quant._load_kernels().make_qlin(4, torch.zeros(37, 24, dtype=torch.uint8), torch.zeros(37, 1),
+                                        torch.zeros(37, 1), None)
 
 
 def test_quantizers_error_is_bounded_by_half_a_step():
@@ -371,3 +381,44 @@ def test_native_stack_with_biases_and_refusals(one_thread):
     assert "Qwen3" in TargetModel(Qwen3ForCausalLM(q3).eval(), weights=WeightPlan("int4")).lean.native_reason
     plain = TargetModel(tiny_llama_q(), ToyTokenizer())
     assert plain.lean.native is None and "quantized" in plain.lean.native_reason
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_native_draft_matches_the_python_layers(layers, one_thread):
+    """The draft's native stack (csrc/decoder.cpp DraftStack) against LeanDraft's Python layers on the same int8
+    weights: context keys / values appended in two pieces (the cache grows), then a block over all of it."""
+    from blockdraft.cache import KVCache
+    from blockdraft.draft_lean import LeanDraft
+
+    target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
+    draft = tiny_draft(target, layers=layers)
+    with torch.no_grad():  # norms away from 1, as a trained draft's are
+        for i, p in enumerate(draft.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+    lean = LeanDraft(draft, weights="int8")
+    assert lean.native is not None
+    cfg = draft.config
+    gen = torch.Generator().manual_seed(9)
+    feats = torch.randn(1, 9, cfg.num_target_features * target.hidden_size, generator=gen)
+    pos = torch.arange(9).unsqueeze(0)
+    block = target.embed(torch.tensor([[7, 3, 3, 3, 3]]))
+    bpos = torch.arange(9, 14).unsqueeze(0)
+
+    def run():
+        ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, 6, torch.float32, "cpu")
+        lean.append_context(feats[:, :4], pos[:, :4], ctx)
+        lean.append_context(feats[:, 4:], pos[:, 4:], ctx)
+        out = lean.forward(block, bpos, ctx)
+        assert ctx.length == 9  # the block's keys were written after the context but not kept
+        assert torch.equal(lean.forward(block, bpos, ctx), out)
+        return out, ctx
+
+    with torch.no_grad():
+        got, ctx = run()
+        native, lean.native = lean.native, None
+        ref, ref_ctx = run()
+        lean.native = native
+    # float32 both ways, the same quantized weights; norms, softmax and exp summed in another order: ~1e-6 relative
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ctx.k[:, :, :, :9], ref_ctx.k[:, :, :, :9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ctx.v[:, :, :, :9], ref_ctx.v[:, :, :, :9], rtol=1e-4, atol=1e-4)

@@ -14,6 +14,10 @@ draft's weights but
 It computes the same function as `DFlashDraftModel.context_kv` + `forward` with no mask (the block sees the whole
 context and itself): `tests/test_draft_lean.py` compares the two, and the engine's token-exactness tests run through
 it. It is a snapshot: weights changed after construction (training) are not seen.
+
+With every linear quantized (a draft beside a quantized target) and the kernels built, both calls run natively
+(`csrc/decoder.cpp` `DraftStack`): the same operations on the same weights in a handful of calls, where the Python
+layers cost several times their matmuls in per-op dispatch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 from .cache import KVCache
 from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
 from .lean import Linear, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
-from .quant import BLOCK, QuantLinear, quantize
+from .quant import BLOCK, QuantLinear, quant_kernels, quantize
 
 
 def _linear(weights: list[torch.Tensor], packed: bool, mode: str):
@@ -68,6 +72,38 @@ class LeanDraft:
         self.layers = [_DraftLayer(layer, packed, weights) for layer in draft.layers]
         attn = [layer.self_attn for layer in draft.layers]
         self.ctx_kv = _linear([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], packed, weights)
+        self.native = self._build_native()
+
+    def _build_native(self):
+        """The native stack (csrc/decoder.cpp) when every linear is quantized and the kernels are built, else None."""
+        lins = [self.fc, self.ctx_kv] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]
+        if not all(isinstance(x, QuantLinear) for x in lins) or quant_kernels() is None:
+            return None
+        cfg, first = self.config, self.layers[0]
+        f32 = lambda t: t.float().contiguous()  # noqa: E731
+        native = quant_kernels().DraftStack(
+            int(cfg.hidden_size), first.n_heads, first.n_kv, first.head_dim, first.inter, self.fc.native(),
+            f32(self.hidden_norm), float(cfg.rms_norm_eps), self.ctx_kv.native(), f32(self.final_norm),
+            float(self.eps))
+        for la in self.layers:
+            native.add_layer(la.qkv.native(), la.o.native(), la.gate_up.native(), la.down.native(), f32(la.ln1),
+                             f32(la.ln2), f32(la.q_norm), f32(la.k_norm), float(la.eps))
+        return native
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [1, T] -> float32 (cos, sin) [T, D] for the native stack."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, torch.float32)
+        return cos[0, 0].contiguous(), sin[0, 0].contiguous()
+
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, ctx: KVCache) -> None:
+        """features [1, C, K*H] at positions [1, C] -> their keys / values appended to every layer of `ctx`."""
+        if self.native is None or features.shape[0] != 1:
+            ctx.append(*self.context_kv(features, positions))
+            return
+        c = features.shape[1]
+        ctx.reserve(ctx.length + c)
+        self.native.context(features[0], ctx.k, ctx.v, ctx.length, *self._cos_sin(positions))
+        ctx.length += c
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, C, K*H], positions [B, C] -> (ks, vs) [L, B, H_kv, C, D], keys k-normed and rotated
@@ -92,9 +128,11 @@ class LeanDraft:
         in `ctx` (capacity grows if needed) and its length is left as it was."""
         b, q_len, _ = block_embeds.shape
         x = block_embeds.to(self.dtype)
+        ctx.reserve(ctx.length + q_len)
+        if self.native is not None and b == 1:
+            return self.native.forward(x[0], ctx.k, ctx.v, ctx.length, *self._cos_sin(block_positions))[None]
         cfg = self.config
         cos, sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        ctx.reserve(ctx.length + q_len)
         for i, layer in enumerate(self.layers):
             h = _rms(x, layer.ln1, layer.eps)
             nq, nk, d = layer.n_heads * layer.head_dim, layer.n_kv * layer.head_dim, layer.head_dim

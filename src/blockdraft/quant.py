@@ -176,7 +176,7 @@ def _load_kernels():
 
 
 def quant_kernels():
-    """The compiled kernel module (q4_linear, q8_linear, the native Decoder), or None (see kernel_status)."""
+    """The compiled kernel module (make_qlin, the native Decoder), or None (see kernel_status)."""
     return _load_kernels()
 
 
@@ -195,34 +195,28 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._dense: dict[torch.dtype, torch.Tensor] = {}
-        self._call = None  # the kernel once bound (False: none, use the fallback)
-        self._args: tuple = ()
+        self._call = None  # the packed kernel once bound (False: none, use the fallback)
 
     @property
     def bits(self) -> int:
         return 4 if isinstance(self.weight, Q4Weight) else 8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # a decode step makes ~120 of these calls on small matrices: the kernel and its arguments are bound once
         # x [..., K] -> [..., N]; the kernel checks x (shape, float32 / bf16, CPU) and refuses what it cannot run
         if self._call is None:
             self._bind()
         if self._call is False:
             return self._fallback(x)
-        return self._call(x, *self._args)
+        return self._call(x)
 
     def _bind(self) -> None:
-        k = _load_kernels()
-        w = self.weight
-        if k is None:
-            self._call = False
-        elif isinstance(w, Q4Weight):
-            self._call, self._args = k.q4_linear, (w.codes, w.scale, w.offset, self.bias)
-        else:
-            self._call, self._args = k.q8_linear, (w.codes, w.scale, self.bias)
+        # the weights are repacked once into the kernels' panel layout; a decode step then makes ~120 direct calls
+        self._call = False if _load_kernels() is None else self.native()
 
     def native(self):
-        """This linear as the native decoder holds it (csrc/decoder.cpp)."""
+        """This linear as the kernels hold it (csrc/qlinear.h `QLin`, also what the native decoder takes)."""
+        if self._call:
+            return self._call
         k, w = _load_kernels(), self.weight
         if isinstance(w, Q4Weight):
             return k.make_qlin(4, w.codes, w.scale, w.offset, self.bias)

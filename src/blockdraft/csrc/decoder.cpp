@@ -21,50 +21,59 @@ namespace {
 
 using namespace blockdraft;
 
-struct QLin {
-  int bits = 0;
-  int64_t n = 0, k = 0;
-  torch::Tensor codes, scale, offset, bias;
-
-  // y [m, n] = x [m, k] W^T + b, float32 in and out
-  void apply(const float* x, int64_t m, float* y) const {
-    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    if (bits == 4)
-      q4_mm(x, m, k, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), n, b, y);
-    else
-      q8_mm(x, m, k, codes.data_ptr<int8_t>(), scale.data_ptr<float>(), n, b, y);
-  }
-};
-
-QLin make_qlin(int bits, torch::Tensor codes, torch::Tensor scale, c10::optional<torch::Tensor> offset,
-               c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  QLin q;
-  q.bits = bits;
-  q.codes = codes.contiguous();
-  q.scale = scale.contiguous();
-  q.n = codes.size(0);
-  q.k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
-  if (bits == 4) {
-    TORCH_CHECK(offset.has_value() && offset->defined(), "4-bit weights need offsets");
-    q.offset = offset->contiguous();
-  }
-  if (bias.has_value() && bias->defined()) q.bias = bias->to(torch::kFloat).contiguous();
-  return q;
-}
-
 struct Layer {
   QLin qkv, o, gate_up, down;
   torch::Tensor ln_in, ln_post;  // float32 [H]
   float eps_in = 0.f, eps_post = 0.f;
 };
 
-// out [H] = w * (x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm order of operations, in float32
+// out [H] = w * (x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm order of operations, in float32 (H % 8 == 0;
+// the sum of squares in 8 lanes, then a fixed horizontal sum)
 inline void rms_norm(const float* x, const float* w, int64_t h, float eps, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < h; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-  for (int64_t i = 0; i < h; ++i) out[i] = w[i] * (x[i] * r);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < h; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(hsum256(acc) / static_cast<float>(h) + eps));
+  for (int64_t i = 0; i < h; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+}
+
+// e^x for 8 floats: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 Taylor polynomial (relative error ~2e-7,
+// about 2 float ulps), times 2^n through the exponent bits. Inputs below -87 give 0 (the softmax's masked
+// entries and far tails), above 88 are clamped. The scalar exp of the C library took most of a multi-token step.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: n * hi is exact
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// act [I] = silu(g) * u, silu(g) = g / (1 + e^-g)
+inline void silu_mul(const float* g, const float* u, int64_t n, float* act) {
+  const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(a, _mm256_add_ps(one, exp8(_mm256_xor_ps(a, neg))));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+  }
+}
+
+// x [N] += y [N]
+inline void add_into(float* x, const float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) x[i] += y[i];
 }
 
 // v [D] rotated in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[D/2:], v[:D/2])
@@ -75,13 +84,6 @@ inline void rope(float* v, const float* cs, const float* sn, int64_t d) {
     v[i] = a * cs[i] + (-b) * sn[i];
     v[i + half] = b * cs[i + half] + a * sn[i + half];
   }
-}
-
-// 8 cache values as floats
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 // q [D] . k [D] with D % 8 == 0, in a fixed order (two vector accumulators, then a fixed horizontal sum)
@@ -105,6 +107,61 @@ inline void axpy_d(float w, const C* v, float* o, int64_t d) {
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, load8(v + i), _mm256_loadu_ps(o + i)));
 }
 
+// Which cached keys a new query sees: all of them (a DFlash draft's block), the causal prefix through its own
+// slot, or the cache plus the new tokens its row of a tree mask allows.
+enum class Seen { kAll, kCausal, kTree };
+
+// Attention of t new queries over one layer's cache: q rows at q + r * q_stride (n_q heads of D), keys / values
+// [Hkv, cap, D] at kb / vb holding start + t positions (the new ones included). att [t, n_q * D].
+// The scores run over the keys rounded up to 8 (padding and unseen keys score -inf and weigh exactly 0), so that a
+// query's softmax runs the same vector operations whatever the number of new tokens beside it.
+template <typename C>
+void attention(const float* q, int64_t q_stride, int64_t t, int64_t n_q, int64_t n_kv, int64_t d, const C* kb,
+               const C* vb, int64_t cap, int64_t start, Seen seen, const bool* tm, float* att) {
+  const int64_t total = start + t, group = n_q / n_kv, padded = (total + 7) / 8 * 8;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n_q * t, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(padded);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t hh = job % n_q, r = job / n_q, g = hh / group;
+      const float* qv = q + r * q_stride + hh * d;
+      const C* kh = kb + g * cap * d;
+      const C* vh = vb + g * cap * d;
+      const int64_t seen_end = seen == Seen::kCausal ? start + r + 1 : total;
+      float mx = ninf;
+      for (int64_t s = 0; s < padded; ++s) {
+        const bool ok = s < start || (s < seen_end && (seen != Seen::kTree || tm[r * t + (s - start)]));
+        p[s] = ok ? dot_d(qv, kh + s * d, d) * scale : ninf;
+        mx = std::max(mx, p[s]);
+      }
+      const __m256 mv = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      for (int64_t s = 0; s < padded; s += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv));
+        _mm256_storeu_ps(p.data() + s, e);
+        sv = _mm256_add_ps(sv, e);
+      }
+      const float inv = 1.f / hsum256(sv);
+      float* o = att + r * n_q * d + hh * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t s = 0; s < total; ++s)
+        if (p[s] != 0.f) axpy_d(p[s] * inv, vh + s * d, o, d);
+    }
+  });
+}
+
+// one new position's key and value of every kv head into a layer's cache buffers [Hkv, cap, D] at slot
+template <typename C>
+inline void store_kv(const float* k, const float* v, int64_t n_kv, int64_t d, C* kb, C* vb, int64_t cap,
+                     int64_t slot) {
+  for (int64_t g = 0; g < n_kv; ++g)
+    for (int64_t i = 0; i < d; ++i) {
+      kb[(g * cap + slot) * d + i] = static_cast<C>(k[g * d + i]);
+      vb[(g * cap + slot) * d + i] = static_cast<C>(v[g * d + i]);
+    }
+}
+
 class Decoder {
  public:
   Decoder(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter, torch::Tensor final_norm,
@@ -112,6 +169,7 @@ class Decoder {
       : h_(hidden), nq_(n_q), nkv_(n_kv), d_(head_dim), inter_(inter),
         final_norm_(final_norm.to(torch::kFloat).contiguous()), final_eps_(static_cast<float>(final_eps)) {
     TORCH_CHECK(n_q % n_kv == 0 && head_dim % 8 == 0, "heads must group evenly and head_dim be a multiple of 8");
+    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "hidden and intermediate sizes must be multiples of 32");
   }
 
   void add_layer(QLin qkv, QLin o, QLin gate_up, QLin down, torch::Tensor ln_in, double eps_in,
@@ -172,19 +230,14 @@ class Decoder {
         attend<at::BFloat16>(li, t, start, qkv.data(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
                              kc.size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), tm, att.data());
       L.o.apply(att.data(), t, tmp.data());
-      for (int64_t i = 0; i < t * h_; ++i) xr[i] += tmp[i];
+      add_into(xr, tmp.data(), t * h_);
       for (int64_t r = 0; r < t; ++r)
         rms_norm(xr + r * h_, L.ln_post.data_ptr<float>(), h_, L.eps_post, hbuf.data() + r * h_);
       L.gate_up.apply(hbuf.data(), t, gu.data());
-      for (int64_t r = 0; r < t; ++r) {
-        const float* g = gu.data() + r * 2 * inter_;
-        for (int64_t i = 0; i < inter_; ++i) {
-          const float a = g[i];
-          act[r * inter_ + i] = (a / (1.f + std::exp(-a))) * g[inter_ + i];
-        }
-      }
+      for (int64_t r = 0; r < t; ++r)
+        silu_mul(gu.data() + r * 2 * inter_, gu.data() + r * 2 * inter_ + inter_, inter_, act.data() + r * inter_);
       L.down.apply(act.data(), t, tmp.data());
-      for (int64_t i = 0; i < t * h_; ++i) xr[i] += tmp[i];
+      add_into(xr, tmp.data(), t * h_);
       for (size_t j = 0; j < tap.size(); ++j)
         if (tap[j] == li)
           for (int64_t r = 0; r < t; ++r)
@@ -202,52 +255,14 @@ class Decoder {
   void attend(int64_t li, int64_t t, int64_t start, float* qkv, C* kc, C* vc, int64_t cap, const float* cs,
               const float* sn, const bool* tm, float* att) const {
     const int64_t row = (nq_ + 2 * nkv_) * d_;
+    C* kb = kc + li * nkv_ * cap * d_;
+    C* vb = vc + li * nkv_ * cap * d_;
     for (int64_t r = 0; r < t; ++r) {
       float* q = qkv + r * row;
       for (int64_t hh = 0; hh < nq_ + nkv_; ++hh) rope(q + hh * d_, cs + r * d_, sn + r * d_, d_);
-      for (int64_t g = 0; g < nkv_; ++g) {
-        const float* k = q + (nq_ + g) * d_;
-        const float* v = q + (nq_ + nkv_ + g) * d_;
-        C* kd = kc + ((li * nkv_ + g) * cap + start + r) * d_;
-        C* vd = vc + ((li * nkv_ + g) * cap + start + r) * d_;
-        for (int64_t i = 0; i < d_; ++i) {
-          kd[i] = static_cast<C>(k[i]);
-          vd[i] = static_cast<C>(v[i]);
-        }
-      }
+      store_kv(q + nq_ * d_, q + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, start + r);
     }
-    const int64_t total = start + t, group = nq_ / nkv_;
-    const float scale = 1.f / std::sqrt(static_cast<float>(d_));
-    at::parallel_for(0, nq_ * t, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> p(total), kf(d_);
-      for (int64_t job = begin; job < end; ++job) {
-        const int64_t hh = job % nq_, r = job / nq_, g = hh / group;
-        const float* q = qkv + r * row + hh * d_;
-        const C* kb = kc + (li * nkv_ + g) * cap * d_;
-        const C* vb = vc + (li * nkv_ + g) * cap * d_;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < total; ++s) {
-          const bool seen = s < start || (tm ? tm[r * t + (s - start)] : s <= start + r);
-          if (!seen) {
-            p[s] = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          p[s] = dot_d(q, kb + s * d_, d_) * scale;
-          mx = std::max(mx, p[s]);
-        }
-        float sum = 0.f;
-        for (int64_t s = 0; s < total; ++s) {
-          p[s] = p[s] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(p[s] - mx);
-          sum += p[s];
-        }
-        float* o = att + r * nq_ * d_ + hh * d_;
-        std::fill(o, o + d_, 0.f);
-        for (int64_t s = 0; s < total; ++s) {
-          if (p[s] == 0.f) continue;
-          axpy_d(p[s] / sum, vb + s * d_, o, d_);
-        }
-      }
-    });
+    attention(qkv, row, t, nq_, nkv_, d_, kb, vb, cap, start, tm ? Seen::kTree : Seen::kCausal, tm, att);
   }
 
   int64_t h_, nq_, nkv_, d_, inter_;
@@ -256,14 +271,170 @@ class Decoder {
   std::vector<Layer> layers_;
 };
 
+// The DFlash draft's decode-time forward (draft_lean.py's LeanDraft) in native calls, for a draft whose linears
+// are all quantized. The draft runs a handful of rows per step (the block and the newly committed context), so
+// through the framework its cost was per-op dispatch, several times its matmuls. It computes what LeanDraft
+// computes on the same weights: context features fused (fc, RMSNorm) and projected into every layer's keys /
+// values (k-normed, rotated) in the draft's KVCache; the block through the layers (RMSNorm, q/k/v with per-head
+// q/k RMSNorm and RoPE, attention of every block query over the whole context and the whole block, o, SiLU MLP).
+struct DraftLayer {
+  QLin qkv, o, gate_up, down;
+  torch::Tensor ln1, ln2, q_norm, k_norm;  // float32 [H], [H], [D], [D]
+  float eps = 0.f;
+};
+
+class DraftStack {
+ public:
+  DraftStack(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter, QLin fc,
+             torch::Tensor hidden_norm, double hidden_eps, QLin ctx_kv, torch::Tensor final_norm, double final_eps)
+      : h_(hidden), nq_(n_q), nkv_(n_kv), d_(head_dim), inter_(inter), fc_(std::move(fc)),
+        hidden_norm_(hidden_norm.to(torch::kFloat).contiguous()), hidden_eps_(static_cast<float>(hidden_eps)),
+        ctx_kv_(std::move(ctx_kv)), final_norm_(final_norm.to(torch::kFloat).contiguous()),
+        final_eps_(static_cast<float>(final_eps)) {
+    TORCH_CHECK(n_q % n_kv == 0 && head_dim % 8 == 0, "heads must group evenly and head_dim be a multiple of 8");
+    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "hidden and intermediate sizes must be multiples of 32");
+    TORCH_CHECK(fc_.n == h_, "fc must project the features to the hidden size");
+  }
+
+  void add_layer(QLin qkv, QLin o, QLin gate_up, QLin down, torch::Tensor ln1, torch::Tensor ln2,
+                 torch::Tensor q_norm, torch::Tensor k_norm, double eps) {
+    TORCH_CHECK(qkv.n == (nq_ + 2 * nkv_) * d_ && qkv.k == h_ && o.n == h_ && o.k == nq_ * d_ &&
+                    gate_up.n == 2 * inter_ && gate_up.k == h_ && down.n == h_ && down.k == inter_,
+                "layer shapes do not fit the draft");
+    layers_.push_back(DraftLayer{qkv, o, gate_up, down, ln1.to(torch::kFloat).contiguous(),
+                                 ln2.to(torch::kFloat).contiguous(), q_norm.to(torch::kFloat).contiguous(),
+                                 k_norm.to(torch::kFloat).contiguous(), static_cast<float>(eps)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // features [C, F] of C context positions -> their keys / values in every layer's cache slots start .. start+C-1
+  // (kc / vc: the draft's KVCache buffers [L, 1, Hkv, capacity, D]); cos / sin [C, D] float32 of their positions
+  void context(torch::Tensor feats, torch::Tensor kc, torch::Tensor vc, int64_t start, torch::Tensor cos,
+               torch::Tensor sin) {
+    const int64_t c = feats.size(0);
+    check(kc, vc, start, c, cos, sin);
+    TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc_.k, "features must be [C, ", fc_.k, "]");
+    TORCH_CHECK(ctx_kv_.n == 2 * num_layers() * nkv_ * d_ && ctx_kv_.k == h_, "context k/v shapes do not fit");
+    const torch::Tensor f = feats.to(torch::kFloat).contiguous();
+    std::vector<float> x(c * h_), kv(c * ctx_kv_.n);
+    fc_.apply(f.data_ptr<float>(), c, x.data());
+    for (int64_t r = 0; r < c; ++r) rms_norm(x.data() + r * h_, hidden_norm_.data_ptr<float>(), h_, hidden_eps_,
+                                             x.data() + r * h_);
+    ctx_kv_.apply(x.data(), c, kv.data());
+    const int64_t per = nkv_ * d_, cap = kc.size(3);
+    for (int64_t li = 0; li < num_layers(); ++li) {
+      const DraftLayer& L = layers_[li];
+      for (int64_t r = 0; r < c; ++r) {
+        float* k = kv.data() + r * ctx_kv_.n + li * per;
+        const float* v = kv.data() + r * ctx_kv_.n + (num_layers() + li) * per;
+        for (int64_t g = 0; g < nkv_; ++g) {
+          rms_norm(k + g * d_, L.k_norm.data_ptr<float>(), d_, L.eps, k + g * d_);
+          rope(k + g * d_, cos.data_ptr<float>() + r * d_, sin.data_ptr<float>() + r * d_, d_);
+        }
+        if (kc.scalar_type() == at::kFloat)
+          store_kv(k, v, nkv_, d_, kc.data_ptr<float>() + li * nkv_ * cap * d_,
+                   vc.data_ptr<float>() + li * nkv_ * cap * d_, cap, start + r);
+        else
+          store_kv(k, v, nkv_, d_, kc.data_ptr<at::BFloat16>() + li * nkv_ * cap * d_,
+                   vc.data_ptr<at::BFloat16>() + li * nkv_ * cap * d_, cap, start + r);
+      }
+    }
+  }
+
+  // x [Q, H] (the block's embeddings) -> final-normed hidden [Q, H] in x's dtype. The block's keys / values go
+  // into slots start .. start+Q-1 after the context (start = the context's length); every query sees all of them.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc, int64_t start, torch::Tensor cos,
+                        torch::Tensor sin) {
+    const int64_t t = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [Q, ", h_, "]");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
+    check(kc, vc, start, t, cos, sin);
+    torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();
+    const int64_t row = (nq_ + 2 * nkv_) * d_, cap = kc.size(3);
+    std::vector<float> hbuf(t * h_), qkv(t * row), att(t * nq_ * d_), tmp(t * h_), gu(t * 2 * inter_),
+        act(t * inter_);
+    float* xr = res.data_ptr<float>();
+    for (int64_t li = 0; li < num_layers(); ++li) {
+      const DraftLayer& L = layers_[li];
+      for (int64_t r = 0; r < t; ++r) rms_norm(xr + r * h_, L.ln1.data_ptr<float>(), h_, L.eps, hbuf.data() + r * h_);
+      L.qkv.apply(hbuf.data(), t, qkv.data());
+      for (int64_t r = 0; r < t; ++r) {
+        float* q = qkv.data() + r * row;
+        for (int64_t hh = 0; hh < nq_ + nkv_; ++hh) {
+          const float* w = (hh < nq_ ? L.q_norm : L.k_norm).data_ptr<float>();
+          rms_norm(q + hh * d_, w, d_, L.eps, q + hh * d_);
+          rope(q + hh * d_, cos.data_ptr<float>() + r * d_, sin.data_ptr<float>() + r * d_, d_);
+        }
+      }
+      if (kc.scalar_type() == at::kFloat)
+        block_attention(li, t, start, qkv.data(), kc.data_ptr<float>(), vc.data_ptr<float>(), cap, att.data());
+      else
+        block_attention(li, t, start, qkv.data(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), cap,
+                        att.data());
+      L.o.apply(att.data(), t, tmp.data());
+      add_into(xr, tmp.data(), t * h_);
+      for (int64_t r = 0; r < t; ++r) rms_norm(xr + r * h_, L.ln2.data_ptr<float>(), h_, L.eps, hbuf.data() + r * h_);
+      L.gate_up.apply(hbuf.data(), t, gu.data());
+      for (int64_t r = 0; r < t; ++r)
+        silu_mul(gu.data() + r * 2 * inter_, gu.data() + r * 2 * inter_ + inter_, inter_, act.data() + r * inter_);
+      L.down.apply(act.data(), t, tmp.data());
+      add_into(xr, tmp.data(), t * h_);
+    }
+    torch::Tensor out = torch::empty({t, h_}, torch::kFloat);
+    for (int64_t r = 0; r < t; ++r)
+      rms_norm(xr + r * h_, final_norm_.data_ptr<float>(), h_, final_eps_, out.data_ptr<float>() + r * h_);
+    return out.to(x.scalar_type());
+  }
+
+ private:
+  void check(const torch::Tensor& kc, const torch::Tensor& vc, int64_t start, int64_t t, const torch::Tensor& cos,
+             const torch::Tensor& sin) const {
+    TORCH_CHECK(kc.dim() == 5 && kc.size(0) == num_layers() && kc.size(1) == 1 && kc.size(2) == nkv_ &&
+                    kc.size(4) == d_ && kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
+                    vc.scalar_type() == kc.scalar_type(),
+                "caches must be contiguous [L, 1, Hkv, capacity, D]");
+    TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16, "cache must be fp32 or bf16");
+    TORCH_CHECK(start >= 0 && start + t <= kc.size(3), "the cache has no room for ", t, " positions after ", start);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.numel() == t * d_ && sin.numel() == t * d_,
+                "cos / sin must be contiguous float32 [T, D]");
+  }
+
+  template <typename C>
+  void block_attention(int64_t li, int64_t t, int64_t start, const float* qkv, C* kc, C* vc, int64_t cap,
+                       float* att) const {
+    const int64_t row = (nq_ + 2 * nkv_) * d_;
+    C* kb = kc + li * nkv_ * cap * d_;
+    C* vb = vc + li * nkv_ * cap * d_;
+    for (int64_t r = 0; r < t; ++r)
+      store_kv(qkv + r * row + nq_ * d_, qkv + r * row + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, start + r);
+    attention(qkv, row, t, nq_, nkv_, d_, kb, vb, cap, start, Seen::kAll, nullptr, att);
+  }
+
+  int64_t h_, nq_, nkv_, d_, inter_;
+  QLin fc_;
+  torch::Tensor hidden_norm_;
+  float hidden_eps_;
+  QLin ctx_kv_;
+  torch::Tensor final_norm_;
+  float final_eps_;
+  std::vector<DraftLayer> layers_;
+};
+
 }  // namespace
 
 void register_decoder(pybind11::module& m) {
-  pybind11::class_<QLin>(m, "QLin");
-  m.def("make_qlin", &make_qlin, "a quantized linear for the native decoder (bits, codes, scale, offset, bias)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, torch::Tensor, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("num_layers", &Decoder::num_layers)
       .def("forward", &Decoder::forward);
+  pybind11::class_<DraftStack>(m, "DraftStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, QLin, torch::Tensor, double, QLin,
+                          torch::Tensor, double>())
+      .def("add_layer", &DraftStack::add_layer)
+      .def("num_layers", &DraftStack::num_layers)
+      .def("context", &DraftStack::context)
+      .def("forward", &DraftStack::forward);
 }

@@ -1,61 +1,44 @@
 // Weight-only quantized linears for CPU decoding: y [M, N] = x [M, K] W^T, W stored in blocks of 32 along K.
 //
-// Two weight formats, chosen so that GGUF's own blocks map onto them without requantization:
+// Two weight formats, chosen so that GGUF's own blocks map onto them without requantization (quant.py):
 //   q4: unsigned 4-bit codes c in 0..15 with a scale d and an offset o per block: w = d * c + o
 //       (GGUF Q4_0: o = -8d; Q4_1: o = m; Q4_K: d = d*sc, o = -dmin*m per sub-block of 32).
-//       Bytes: 16 per block; byte j holds element j in its low nibble and element j + 16 in its high nibble
-//       (GGUF's Q4_0 / Q4_1 layout, so those blocks are copied as they are).
 //   q8: signed 8-bit codes with a scale per 16 elements: w = s * c (GGUF Q8_0: one scale repeated for both
 //       halves of a block; Q6_K: codes - 32 with its per-16 scales).
 //
-// Activations are quantized per row and block of 32 to int8 (scale = max|x| / 127), as llama.cpp does for its
-// integer dot products; the q4 offset term uses the exact float sum of each block of x. The integer dot products
-// run through AVX2's u8 x s8 multiply-add.
+// Layout: the kernels read weights repacked once into panels of 8 output columns (`pack_q4`, `pack_q8`). Within a
+// panel and block, one 32-bit lane of a vector register holds 4 consecutive inputs of one column, so a vector of
+// 8 lanes is 8 columns. The activations' 4 matching inputs are broadcast to every lane, and the integer
+// multiply-adds leave each column's dot product in its own lane: no horizontal sums, the block's scales apply to 8
+// columns in one instruction, and with several rows each unpacked weight register serves every row. That is what
+// makes a multi-token verify cost little more than one token where the weights, not the arithmetic, are the bound.
 //
-// Why the result does not depend on M: every output y[m, n] is computed by the same sequence of operations
-// whatever the number of rows and however rows are grouped, so a multi-token verify step and a one-token step
-// produce the same numbers for the same row. Greedy speculative decoding on these kernels is therefore token-exact
-// against plain decoding on them, in bf16 as in fp32.
+// Activations are quantized per row and block of 32 to int8 (scale = max|x| / 127), as llama.cpp does for its
+// integer dot products; the q4 offset term uses the exact float sum of each block of x.
+//
+// Why the result does not depend on M: the integer parts are exact, and every output y[m, n] gets the same
+// sequence of float operations whatever the number of rows and however rows are grouped, so a multi-token verify
+// step and a one-token step produce the same numbers for the same row. Greedy speculative decoding on these
+// kernels is therefore token-exact against plain decoding on them, in bf16 as in fp32.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace blockdraft {
 
-constexpr int64_t kBlock = 32;
+constexpr int64_t kBlock = 32;  // inputs per block
+constexpr int64_t kPanel = 8;   // output columns per panel (one per 32-bit lane of an AVX2 register)
 
-// x [M, K] (float or bf16) -> int8 codes [M, K], per-block scales dx [M, K/32], exact per-block sums xs [M, K/32]
-// and dx times the sum of each block's codes, dxs [M, K/32]
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* dx, float* xs, float* dxs) {
-  const int64_t g = k / kBlock;
-  float buf[kBlock];
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < g; ++b) {
-      const T* src = x + r * k + b * kBlock;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kBlock; ++j) {
-        buf[j] = static_cast<float>(src[j]);
-        amax = std::fmax(amax, std::fabs(buf[j]));
-        sum += buf[j];
-      }
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* dst = xq + r * k + b * kBlock;
-      int csum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        dst[j] = static_cast<int8_t>(std::nearbyint(buf[j] * id));
-        csum += dst[j];
-      }
-      dx[r * g + b] = d;
-      xs[r * g + b] = sum;
-      dxs[r * g + b] = d * static_cast<float>(csum);
-    }
-  }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of a float32
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 inline float hsum128(__m128 s) {
@@ -63,7 +46,13 @@ inline float hsum128(__m128 s) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
+inline float hsum256(__m256 v) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+inline float hmax256(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 inline int hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -71,167 +60,323 @@ inline int hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// integer dot of 32 unsigned codes with 32 signed activations, as 8 partial sums (lanes 0..3 cover inputs 0..15,
-// lanes 4..7 inputs 16..31)
-inline __m256i dot32(__m256i wu, __m256i xs8) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs8), _mm256_set1_epi16(1));
+// the 4 int8 activations at p in every 32-bit lane
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// four blocks' partial sums -> [b0 lo, b1 lo, b2 lo, b3 lo | b0 hi, b1 hi, b2 hi, b3 hi] (lo / hi: inputs 0..15 /
-// 16..31 of the block)
-// (unpack/add instead of hadd: single-uop instructions, where hadd is several)
-inline __m256i halves4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-  const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
-  const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(v2, v3), _mm256_unpackhi_epi32(v2, v3));
-  return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+// Activations of M rows, quantized per block of 32: codes xq [M, K], scales dx [M, G], exact block sums xs [M, G]
+// and 8 dx times the sum of each block's codes, dxs8 [M, G] (the q4 kernel's centring term).
+struct QuantRows {
+  int64_t m = 0, k = 0, g = 0;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs, dxs8;
+
+  template <typename T>
+  QuantRows(const T* x, int64_t m_, int64_t k_) : m(m_), k(k_), g(k_ / kBlock), xq(m_ * k_), dx(m_ * g),
+                                                   xs(m_ * g), dxs8(m_ * g) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < m * g; ++i) {
+      const T* src = x + i * kBlock;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = load8(src + 8 * j);
+      const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      const float d = hmax256(amax) / 127.f;
+      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + i * kBlock), packed);
+      const int csum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      dx[i] = d;
+      xs[i] = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      dxs8[i] = 8.f * d * static_cast<float>(csum);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------------- q4
+// Panel layout of q4 codes: [N/8 panels][G blocks][4 chunks][8 columns][4 bytes]. Byte i of column c in chunk t
+// holds input 4t + i in its low nibble and input 16 + 4t + i in its high nibble: chunk t's low nibbles are the
+// inputs 4t..4t+3 of 8 columns, its high nibbles the inputs 16+4t..16+4t+3. Per panel and block the scales are
+// d [8] and o [8], stored as float16 when every value is one exactly (GGUF's Q4_0 / Q4_1 scales are), else float32.
+struct Q4Packed {
+  int64_t n = 0, k = 0, g = 0, panels = 0;
+  torch::Tensor codes, d, o;  // uint8 [P, G, 128]; float16 or float32 [P, G, 8], [P, G, 8]
+};
+
+// t as float16 when that loses nothing, else as it is (float32): the scales are a fifth of a 4-bit model's bytes
+inline torch::Tensor compact_scales(const torch::Tensor& t) {
+  const torch::Tensor h = t.to(torch::kHalf);
+  return torch::equal(h.to(torch::kFloat), t) ? h : t;
 }
 
-// unpack one row of q4 codes (K/2 bytes) into K bytes in input order
-inline void unpack_q4(const uint8_t* qw, int64_t g, uint8_t* out) {
-  const __m128i m4 = _mm_set1_epi8(0x0F);
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// qw uint8 [N, K/2] (byte j of a block: input j low, j + 16 high), d / o float32 [N, K/32] -> panels; columns
+// past N (the last panel's padding) get zero codes and scales
+inline Q4Packed pack_q4(const torch::Tensor& qw, const torch::Tensor& d, const torch::Tensor& o) {
+  Q4Packed p;
+  p.n = qw.size(0);
+  p.k = qw.size(1) * 2;
+  p.g = p.k / kBlock;
+  p.panels = (p.n + kPanel - 1) / kPanel;
+  p.codes = torch::zeros({p.panels, p.g, 128}, torch::kByte);
+  p.d = torch::zeros({p.panels, p.g, kPanel}, torch::kFloat);
+  p.o = torch::zeros({p.panels, p.g, kPanel}, torch::kFloat);
+  const uint8_t* src = qw.data_ptr<uint8_t>();
+  const float *ds = d.data_ptr<float>(), *os = o.data_ptr<float>();
+  uint8_t* dst = p.codes.data_ptr<uint8_t>();
+  float *dd = p.d.data_ptr<float>(), *dof = p.o.data_ptr<float>();
+  for (int64_t col = 0; col < p.n; ++col) {
+    const int64_t pi = col / kPanel, c = col % kPanel;
+    for (int64_t b = 0; b < p.g; ++b) {
+      const uint8_t* blk = src + col * (p.k / 2) + b * 16;  // GGUF's byte j = inputs j, j + 16: byte 4t + i here
+      uint8_t* out = dst + (pi * p.g + b) * 128;
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < 4; ++i) out[t * 32 + c * 4 + i] = blk[4 * t + i];
+      dd[(pi * p.g + b) * kPanel + c] = ds[col * p.g + b];
+      dof[(pi * p.g + b) * kPanel + c] = os[col * p.g + b];
+    }
+  }
+  p.d = compact_scales(p.d);
+  p.o = p.d.scalar_type() == at::kHalf ? compact_scales(p.o) : p.o;
+  if (p.o.scalar_type() != p.d.scalar_type()) p.d = p.d.to(torch::kFloat);
+  return p;
+}
+
+// R rows x one panel: out[r] = the 8 columns' dot products with row r. Per block, with the codes centred,
+// w = d (c - 8) + (o + 8d): dot(w, x) = d dx (dot(c, xq) - 8 sum(xq)) + (o + 8d) sum(x). Centring halves the span
+// the integer part covers, so quantizing x costs half the error it would with d c + o. The integer dot of a block
+// is exact in int16 before its one widening multiply-add: |c x| <= 15 * 127, 16 products per lane <= 30480.
+template <int R, typename S>
+inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, const QuantRows& x,
+                     int64_t row, __m256* out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + b * 16));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm_and_si128(raw, m4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
-  }
-}
-
-// One q4 output: sum_b d_b dx_b dot(c_b - 8, xq_b) + (o_b + 8 d_b) xs_b, four blocks reduced at a time. The codes
-// enter centred, w = d (c - 8) + (o + 8d): the integer part then spans at most half the block's range, which halves
-// the error that quantizing x adds (with d c + o it would span all of it). dot(c - 8, xq) = dot(c, xq) - 8 sum(xq),
-// and dxs holds dx sum(xq). wc: the column's codes unpacked [K]; xq [K], dx / xs / dxs [K/32]:
-// the row's quantized activations.
-// codes of block b as 32 bytes in input order: from the packed nibbles (Packed) or an unpacked copy
-template <bool Packed>
-inline __m256i codes32(const uint8_t* w, int64_t b) {
-  if constexpr (Packed) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-  }
-}
-
-// four blocks from b on, into a main and two offset accumulators (kept apart so that no chain of dependent
-// multiply-adds limits the loop)
-template <bool Packed>
-inline void q4_group(const uint8_t* wc, const float* d, const float* o, int64_t b, const int8_t* xq,
-                     const float* dx, const float* xs, const float* dxs, __m128& acc, __m128& offp, __m128& offn) {
-  __m256i v[4];
-  for (int j = 0; j < 4; ++j)
-    v[j] = dot32(codes32<Packed>(wc, b + j),
-                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock)));
-  const __m256i h = halves4(v[0], v[1], v[2], v[3]);
-  const __m128 dots = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-  const __m128 dv = _mm_loadu_ps(d + b), eight = _mm_set1_ps(8.f);
-  acc = _mm_fmadd_ps(dots, _mm_mul_ps(dv, _mm_loadu_ps(dx + b)), acc);
-  offp = _mm_fmadd_ps(_mm_fmadd_ps(eight, dv, _mm_loadu_ps(o + b)), _mm_loadu_ps(xs + b), offp);
-  offn = _mm_fmadd_ps(_mm_mul_ps(eight, dv), _mm_loadu_ps(dxs + b), offn);
-}
-
-template <bool Packed>
-inline float q4_dot(const uint8_t* wc, const float* d, const float* o, int64_t g, const int8_t* xq,
-                    const float* dx, const float* xs, const float* dxs) {
-  __m128 a0 = _mm_setzero_ps(), a1 = a0, p0 = a0, p1 = a0, n0 = a0, n1 = a0;
-  int64_t b = 0;
-  for (; b + 8 <= g; b += 8) {
-    q4_group<Packed>(wc, d, o, b, xq, dx, xs, dxs, a0, p0, n0);
-    q4_group<Packed>(wc, d, o, b + 4, xq, dx, xs, dxs, a1, p1, n1);
-  }
-  if (b + 4 <= g) {
-    q4_group<Packed>(wc, d, o, b, xq, dx, xs, dxs, a0, p0, n0);
-    b += 4;
-  }
-  float tail = 0.f;
-  for (; b < g; ++b) {
-    const int dot = hsum_epi32(dot32(codes32<Packed>(wc, b),
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock))));
-    tail += static_cast<float>(dot) * (d[b] * dx[b]) + std::fma(8.f, d[b], o[b]) * xs[b] - (8.f * d[b]) * dxs[b];
-  }
-  const __m128 sum = _mm_add_ps(_mm_add_ps(a0, a1), _mm_sub_ps(_mm_add_ps(p0, p1), _mm_add_ps(n0, n1)));
-  return hsum128(sum) + tail;
-}
-
-// One q8 output: sum over halves h of s_h dx dot(c_h, xq_h). s: the column's scales [K/16] in input order.
-inline float q8_dot(const int8_t* wc, const float* s, int64_t g, const int8_t* xq, const float* dx) {
-  __m256 accs[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t b = 0;
-  // scales come as [b0 lo, b0 hi, b1 lo, ...]; halves4 gives [b0 lo, b1 lo, b2 lo, b3 lo | b0 hi, ...]
-  const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  for (; b + 4 <= g; b += 4) {
-    __m256& acc = accs[(b / 4) & 1];
-    __m256i v[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + (b + j) * kBlock));
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock));
-      v[j] = dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |w| times x with w's sign
+    __m256i w[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
+      w[t] = _mm256_and_si256(raw, m4);
+      w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     }
-    const __m256 dots = _mm256_cvtepi32_ps(halves4(v[0], v[1], v[2], v[3]));
-    const __m256 sv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + 2 * b), perm);
-    const __m128 dx4 = _mm_loadu_ps(dx + b);
-    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(sv, _mm256_set_m128(dx4, dx4)), acc);
+    const __m256 d8 = load_scales(pd + b * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xb));
+      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], bcast4(xb + 4 * j)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
+    }
   }
-  float tail = 0.f;
-  for (; b < g; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + b * kBlock));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    const __m256i v = dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    const int lo = hsum_epi32(_mm256_blend_epi32(v, _mm256_setzero_si256(), 0xF0));
-    const int hi = hsum_epi32(_mm256_blend_epi32(v, _mm256_setzero_si256(), 0x0F));
-    tail += (static_cast<float>(lo) * s[2 * b] + static_cast<float>(hi) * s[2 * b + 1]) * dx[b];
+  // the offset terms need no codes: a second pass per row keeps the main loop's registers for the codes
+  const __m256 eight = _mm256_set1_ps(8.f);
+  for (int r = 0; r < R; ++r) {
+    const float *xs = x.xs.data() + (row + r) * g, *dxs8 = x.dxs8.data() + (row + r) * g;
+    __m256 offp = _mm256_setzero_ps(), offn = _mm256_setzero_ps();
+    for (int64_t b = 0; b < g; ++b) {
+      const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(eight, d8, load_scales(po + b * kPanel));
+      offp = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[b]), offp);
+      offn = _mm256_fmadd_ps(d8, _mm256_set1_ps(dxs8[b]), offn);
+    }
+    out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp, offn));
   }
-  const __m256 acc = _mm256_add_ps(accs[0], accs[1]);
-  return hsum128(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1))) + tail;
 }
 
-template <typename T>
-inline void store(T* y, float v) { y[0] = static_cast<T>(v); }
+// ------------------------------------------------------------------------------------------------------- q8
+// Panel layout of q8 codes: [N/8 panels][G blocks][8 groups][8 columns][4 bytes]: group j holds inputs
+// 4j..4j+3 of 8 columns. Scales per panel and block: s [2][8], the halves (inputs 0..15, 16..31) of 8 columns.
+struct Q8Packed {
+  int64_t n = 0, k = 0, g = 0, panels = 0;
+  torch::Tensor codes, s;  // int8 [P, G, 256]; float16 (when exact, as GGUF's Q8_0 scales are) or float32 [P, G, 16]
+};
 
-// Grain: enough columns per task that the parallel overhead stays small against the work.
-inline int64_t grain(int64_t k) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)); }
+// qw int8 [N, K], s float32 [N, K/16] -> panels (padding columns: zero codes and scales)
+inline Q8Packed pack_q8(const torch::Tensor& qw, const torch::Tensor& s) {
+  Q8Packed p;
+  p.n = qw.size(0);
+  p.k = qw.size(1);
+  p.g = p.k / kBlock;
+  p.panels = (p.n + kPanel - 1) / kPanel;
+  p.codes = torch::zeros({p.panels, p.g, 256}, torch::kChar);
+  p.s = torch::zeros({p.panels, p.g, 2 * kPanel}, torch::kFloat);
+  const int8_t* src = qw.data_ptr<int8_t>();
+  const float* ss = s.data_ptr<float>();
+  int8_t* dst = p.codes.data_ptr<int8_t>();
+  float* ds = p.s.data_ptr<float>();
+  for (int64_t col = 0; col < p.n; ++col) {
+    const int64_t pi = col / kPanel, c = col % kPanel;
+    for (int64_t b = 0; b < p.g; ++b) {
+      int8_t* out = dst + (pi * p.g + b) * 256;
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) out[j * 32 + c * 4 + i] = src[col * p.k + b * kBlock + 4 * j + i];
+      for (int h = 0; h < 2; ++h) ds[(pi * p.g + b) * 2 * kPanel + h * kPanel + c] = ss[col * (p.k / 16) + 2 * b + h];
+    }
+  }
+  p.s = compact_scales(p.s);
+  return p;
+}
 
-// y [M, N] (U) = x [M, K] (T) W^T + bias for q4 weights
-template <typename T, typename U>
-inline void q4_mm(const T* x, int64_t m, int64_t k, const uint8_t* qp, const float* dp, const float* op, int64_t n,
-           const float* bias, U* yp) {
-  const int64_t g = k / kBlock;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * g), xs(m * g), dxs(m * g);
-  quantize_rows(x, m, k, xq.data(), dx.data(), xs.data(), dxs.data());
-  at::parallel_for(0, n, grain(k), [&](int64_t begin, int64_t end) {
-    // one row reads the packed codes directly; several unpack each column once and reread it from L1
-    std::vector<uint8_t> wc(m > 1 ? k : 0);
-    for (int64_t c = begin; c < end; ++c) {
-      const float bc = bias ? bias[c] : 0.f;
-      if (m == 1) {
-        store(yp + c, q4_dot<true>(qp + c * (k / 2), dp + c * g, op + c * g, g, xq.data(), dx.data(), xs.data(),
-                                   dxs.data()) + bc);
-        continue;
+// R rows x one panel, q8: per block and half, s dx dot(c, xq). AVX2 multiplies unsigned by signed bytes, so the
+// codes enter as |c| and their signs move onto x; each pair sum <= 2 * 128 * 127 fits int16 before widening.
+template <int R, typename S>
+inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& x, int64_t row, __m256* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    __m256i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_sign_epi8(bcast4(x.xq.data() + (row + r) * x.k + b * kBlock + 4 * j), w);
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+        if (j < 4) lo[r] = _mm256_add_epi32(lo[r], t);
+        else hi[r] = _mm256_add_epi32(hi[r], t);
       }
-      unpack_q4(qp + c * (k / 2), g, wc.data());
-      for (int64_t r = 0; r < m; ++r)
-        store(yp + r * n + c, q4_dot<false>(wc.data(), dp + c * g, op + c * g, g, xq.data() + r * k,
-                                            dx.data() + r * g, xs.data() + r * g, dxs.data() + r * g) + bc);
     }
+    const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// --------------------------------------------------------------------------------------------- the products
+template <typename U>
+inline void store_panel(const __m256& v, const float* bias, int64_t col, int64_t n, U* y) {
+  alignas(32) float tmp[kPanel];
+  _mm256_store_ps(tmp, v);
+  const int64_t cols = std::min<int64_t>(kPanel, n - col);
+  for (int64_t c = 0; c < cols; ++c) y[col + c] = static_cast<U>(tmp[c] + (bias ? bias[col + c] : 0.f));
+}
+
+// rows in groups of up to 4 through one panel kernel (Kernel: a callable template on the group size)
+template <typename U, typename Kernel>
+inline void panel_rows(int64_t m, int64_t pi, int64_t n, const float* bias, U* y, Kernel&& kernel) {
+  __m256 out[4];
+  for (int64_t r = 0; r < m;) {
+    const int64_t rows = std::min<int64_t>(4, m - r);
+    switch (rows) {
+      case 4: kernel(std::integral_constant<int, 4>{}, r, out); break;
+      case 3: kernel(std::integral_constant<int, 3>{}, r, out); break;
+      case 2: kernel(std::integral_constant<int, 2>{}, r, out); break;
+      default: kernel(std::integral_constant<int, 1>{}, r, out); break;
+    }
+    for (int64_t i = 0; i < rows; ++i) store_panel(out[i], bias, pi * kPanel, n, y + (r + i) * n);
+    r += rows;
+  }
+}
+
+// Panels per parallel task: enough work per task that the pool's overhead stays small.
+inline int64_t panel_grain(int64_t k) { return std::max<int64_t>(1, 2048 / std::max<int64_t>(k, 1)); }
+
+template <typename S, typename U>
+inline void q4_panels(const QuantRows& xr, const Q4Packed& w, const float* bias, U* y) {
+  const uint8_t* codes = w.codes.data_ptr<uint8_t>();
+  const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
+  at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+    for (int64_t pi = begin; pi < end; ++pi)
+      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
+        q4_panel<decltype(rows)::value>(codes + pi * w.g * 128, d + pi * w.g * kPanel, o + pi * w.g * kPanel, w.g,
+                                        xr, r, out);
+      });
   });
 }
 
-// y [M, N] (U) = x [M, K] (T) W^T + bias for q8 weights
+// y [M, N] (U) = x [M, K] (T) W^T + bias
 template <typename T, typename U>
-inline void q8_mm(const T* x, int64_t m, int64_t k, const int8_t* qp, const float* sp, int64_t n, const float* bias,
-           U* yp) {
-  const int64_t g = k / kBlock;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * g), xs(m * g), dxs(m * g);
-  quantize_rows(x, m, k, xq.data(), dx.data(), xs.data(), dxs.data());
-  at::parallel_for(0, n, grain(k), [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const float bc = bias ? bias[c] : 0.f;
-      for (int64_t r = 0; r < m; ++r)
-        store(yp + r * n + c, q8_dot(qp + c * k, sp + c * 2 * g, g, xq.data() + r * k, dx.data() + r * g) + bc);
-    }
+inline void q4_mm(const T* x, int64_t m, const Q4Packed& w, const float* bias, U* y) {
+  const QuantRows xr(x, m, w.k);
+  if (w.d.scalar_type() == at::kHalf) q4_panels<at::Half>(xr, w, bias, y);
+  else q4_panels<float>(xr, w, bias, y);
+}
+
+template <typename S, typename U>
+inline void q8_panels(const QuantRows& xr, const Q8Packed& w, const float* bias, U* y) {
+  const int8_t* codes = w.codes.data_ptr<int8_t>();
+  const S* s = w.s.data_ptr<S>();
+  at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+    for (int64_t pi = begin; pi < end; ++pi)
+      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
+        q8_panel<decltype(rows)::value>(codes + pi * w.g * 256, s + pi * w.g * 2 * kPanel, w.g, xr, r, out);
+      });
   });
+}
+
+template <typename T, typename U>
+inline void q8_mm(const T* x, int64_t m, const Q8Packed& w, const float* bias, U* y) {
+  const QuantRows xr(x, m, w.k);
+  if (w.s.scalar_type() == at::kHalf) q8_panels<at::Half>(xr, w, bias, y);
+  else q8_panels<float>(xr, w, bias, y);
+}
+
+}  // namespace blockdraft
+
+namespace blockdraft {
+
+// One quantized linear as the kernels hold it: packed weights and an optional float32 bias.
+struct QLin {
+  int bits = 0;
+  int64_t n = 0, k = 0;
+  Q4Packed q4;
+  Q8Packed q8;
+  torch::Tensor bias;
+
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  int scale_bits() const { return (bits == 4 ? q4.d : q8.s).scalar_type() == at::kHalf ? 16 : 32; }
+
+  // y [m, n] = x [m, k] W^T + b
+  template <typename T, typename U>
+  void apply(const T* x, int64_t m, U* y) const {
+    if (bits == 4) q4_mm(x, m, q4, bias_ptr(), y);
+    else q8_mm(x, m, q8, bias_ptr(), y);
+  }
+};
+
+// bits 4: codes uint8 [N, K/2], scale / offset float32 [N, K/32]; bits 8: codes int8 [N, K], scale float32
+// [N, K/16]; bias float32-convertible [N] or none
+inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c10::optional<torch::Tensor> offset,
+                      c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "codes must be a 2-d CPU tensor");
+  QLin q;
+  q.bits = static_cast<int>(bits);
+  q.n = codes.size(0);
+  q.k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(q.k % kBlock == 0, "K must be a multiple of 32, got ", q.k);
+  const torch::Tensor c = codes.contiguous(), s = scale.to(torch::kFloat).contiguous();
+  if (bits == 4) {
+    TORCH_CHECK(c.scalar_type() == at::kByte, "4-bit codes must be uint8 [N, K/2]");
+    TORCH_CHECK(offset.has_value() && offset->defined(), "4-bit weights need offsets");
+    const torch::Tensor o = offset->to(torch::kFloat).contiguous();
+    TORCH_CHECK(s.numel() == q.n * (q.k / kBlock) && o.numel() == s.numel(), "scale / offset must be [N, K/32]");
+    q.q4 = pack_q4(c, s, o);
+  } else {
+    TORCH_CHECK(c.scalar_type() == at::kChar, "8-bit codes must be int8 [N, K]");
+    TORCH_CHECK(s.numel() == q.n * (q.k / 16), "scale must be [N, K/16]");
+    q.q8 = pack_q8(c, s);
+  }
+  if (bias.has_value() && bias->defined()) {
+    q.bias = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(q.bias.numel() == q.n, "bias must have ", q.n, " elements");
+  }
+  return q;
 }
 
 }  // namespace blockdraft

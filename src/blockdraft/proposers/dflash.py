@@ -81,8 +81,10 @@ class DFlashProposer:
         if next_ids is not None:
             emb = self.draft.next_token_input(self.target.embed(next_ids.unsqueeze(0)))
             features = torch.cat([features.to(emb.dtype), emb], dim=-1)
-        ks, vs = (self.lean or self.draft).context_kv(features, pos)
-        self.ctx.append(ks, vs)
+        if self.lean is not None:
+            self.lean.append_context(features, pos, self.ctx)
+        else:
+            self.ctx.append(*self.draft.context_kv(features, pos))
 
     def _add(self, features: torch.Tensor) -> None:
         # projected when the draft next runs (`_flush`): steps that skip the draft skip this work too, and a
