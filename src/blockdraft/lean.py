@@ -216,6 +216,11 @@ class LeanDecoder:
         self.grouped_single_query = True
         # every linear quantized: single-row batches run the whole stack in one native call (csrc/decoder.cpp)
         self.native, self.native_reason = self._build_native(hf_model)
+        # the native stack reads RoPE rows from a table (`_rope_rows`), valid where RoPE does not depend on the
+        # sequence length (dynamic / long-rope scaling rescale with it)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        rope = getattr(self.cfg, "rope_parameters", None) or getattr(self.cfg, "rope_scaling", None) or {}
+        self._rope_static = rope.get("rope_type", rope.get("type", "default")) not in ("dynamic", "longrope")
 
     def _build_native(self, hf_model: nn.Module):
         """(the native decoder, None) when this model and its weights allow it, else (None, why not)."""
@@ -278,6 +283,21 @@ class LeanDecoder:
         cos, sin = self.rotary(like, positions)  # [B, T, D]: the target's own RoPE, its scaling included
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
+    def _rope_rows(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> float32 (cos, sin) [T, D] for the native stack: rows of a table of the target's own
+        RoPE in the model's dtype (what `_rope` gives, position by position), built once and grown by doubling,
+        instead of the rotary module's ~10 ops at every step."""
+        if not self._rope_static:
+            cos, sin = self._rope(positions.unsqueeze(0), like)
+            return cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+        need = int(positions.max()) + 1
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need:
+            n = max(need, 2 * (0 if table is None else table[0].shape[0]), 256)
+            cos, sin = self._rope(torch.arange(n, device=like.device).unsqueeze(0), like[:1, :1])
+            table = self._rope_table = (cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous())
+        return table[0][positions].contiguous(), table[1][positions].contiguous()
+
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         return KVCache(len(self.layers), batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
@@ -297,16 +317,16 @@ class LeanDecoder:
         if positions is None:
             positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, t)
         x = self.embed_tokens(ids)
-        cos, sin = self._rope(positions, x)
         total = start + t
         cache.reserve(total)
         if self.native is not None and b == 1 and key_mask is None:
             if tree_mask is not None:
                 assert tree_mask.shape == (t, t), f"tree_mask must be [{t}, {t}]"
-            hidden, feats = self.native.forward(x[0], cache.k, cache.v, start, cos[0, 0].float().contiguous(),
-                                                sin[0, 0].float().contiguous(), tree_mask, list(tap))
+            cos, sin = self._rope_rows(positions[0], x)
+            hidden, feats = self.native.forward(x[0], cache.k, cache.v, start, cos, sin, tree_mask, list(tap))
             cache.length = total
             return hidden[None], (feats[None] if tap else None)
+        cos, sin = self._rope(positions, x)
         # new query i sits at slot start + i and sees slots 0 .. start + i (causal with an offset); q = 1 sees all
         mask = None
         if tree_mask is not None:

@@ -207,7 +207,10 @@ class TargetModel(nn.Module):
         with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
         qhead = self._quant_head()
         if qhead is not None and not torch.is_grad_enabled():
-            out = qhead(hidden) if rows is None else self._quant_head_rows(qhead, rows)(hidden)
+            # float32 logits: the kernel's own precision (no bf16 ties at the argmax), and torch's argmax over
+            # float32 rows runs ~2x faster than over bf16 ones
+            h = hidden.float()
+            out = qhead(h) if rows is None else self._quant_head_rows(qhead, rows)(h)
         elif rows is None:
             head = self._packed_head()
             out = head(hidden) if head is not None else self.lm_head(hidden)

