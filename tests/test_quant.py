@@ -442,3 +442,35 @@ def test_tree_verify_on_the_native_stack_is_token_exact(dtype, one_thread):
     spec = SpeculativeEngine(target, tree).generate(prompt, cfg)
     assert spec.token_ids == plain.token_ids
     assert max(spec.stats.tree_nodes) > 1  # real trees were verified (branches beside the chain), not only chains
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_tree_rows_equal_one_token_steps_along_their_paths(dtype, one_thread):
+    """A tree verify gives each node the bits of one-token steps along its own path, although the node's ancestors
+    sit at other cache slots than in a chain: what keeps tree verification exact on quantized weights, where
+    activations are rounded to int8 and a last-bit difference can move a code."""
+    target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), layer_ids=(1,), weights=WeightPlan("int4"))
+    gen = torch.Generator().manual_seed(10)
+    prefix, nodes = torch.randint(0, 99, (1, 9), generator=gen), torch.randint(0, 99, (5,), generator=gen)
+    parents = [-1, 0, 0, 2, 1]  # 0 -> {1 -> 4, 2 -> 3}
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    depth = []
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+        depth.append(0 if p < 0 else depth[p] + 1)
+    with torch.no_grad():
+        cache = target.new_decode_cache(32)
+        target.forward(prefix, cache)
+        tree = target.forward(nodes[None], cache, positions=9 + torch.tensor([depth]), tree_mask=mask)
+        for leaf in (3, 4):
+            path = [leaf]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            c = target.new_decode_cache(32)
+            target.forward(prefix, c)
+            for i in reversed(path):  # root first
+                one = target.forward(nodes[i].view(1, 1), c)
+                assert torch.equal(one.logits[0, 0], tree.logits[0, i]), (leaf, i)
+                assert torch.equal(one.features[0, 0], tree.features[0, i])

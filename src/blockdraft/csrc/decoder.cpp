@@ -113,8 +113,10 @@ enum class Seen { kAll, kCausal, kTree };
 
 // Attention of t new queries over one layer's cache: q rows at q + r * q_stride (n_q heads of D), keys / values
 // [Hkv, cap, D] at kb / vb holding start + t positions (the new ones included). att [t, n_q * D].
-// The scores run over the keys rounded up to 8 (padding and unseen keys score -inf and weigh exactly 0), so that a
-// query's softmax runs the same vector operations whatever the number of new tokens beside it.
+// The exponentials run 8 keys at a time over the keys rounded up to 8 (padding and unseen keys score -inf and weigh
+// exactly 0); every sum over keys runs in slot order. So a query's numbers do not depend on the new tokens beside
+// it, nor, for a tree, on where its ancestors sit in the cache: a k-token verify, chain or tree, gives the bits of
+// one-token steps along each path.
 template <typename C>
 void attention(const float* q, int64_t q_stride, int64_t t, int64_t n_q, int64_t n_kv, int64_t d, const C* kb,
                const C* vb, int64_t cap, int64_t start, Seen seen, const bool* tm, float* att) {
@@ -136,13 +138,13 @@ void attention(const float* q, int64_t q_stride, int64_t t, int64_t n_q, int64_t
         mx = std::max(mx, p[s]);
       }
       const __m256 mv = _mm256_set1_ps(mx);
-      __m256 sv = _mm256_setzero_ps();
-      for (int64_t s = 0; s < padded; s += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv));
-        _mm256_storeu_ps(p.data() + s, e);
-        sv = _mm256_add_ps(sv, e);
-      }
-      const float inv = 1.f / hsum256(sv);
+      for (int64_t s = 0; s < padded; s += 8)
+        _mm256_storeu_ps(p.data() + s, exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv)));
+      // summed in slot order: unseen keys add exact zeros, so a tree node (whose ancestors sit at other slots than
+      // in a chain, in the same order) gets the sum of its chain, bit for bit
+      float sum = 0.f;
+      for (int64_t s = 0; s < total; ++s) sum += p[s];
+      const float inv = 1.f / sum;
       float* o = att + r * n_q * d + hh * d;
       std::fill(o, o + d, 0.f);
       for (int64_t s = 0; s < total; ++s)
