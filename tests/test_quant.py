@@ -130,7 +130,7 @@ def _gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     t = GGMLQuantizationType[kind]
-    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
     block, size = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
@@ -140,13 +140,13 @@ def _gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_decode_as_gguf_py_does(kind):
     from gguf import GGMLQuantizationType, quants
 
     raw = _gguf_blocks(kind, 37, 512, np.random.default_rng(3))
     w = quant.gguf_block_weight(kind, raw, 512)
-    assert isinstance(w, Q8Weight if kind in ("Q8_0", "Q6_K") else Q4Weight)
+    assert isinstance(w, Q8Weight if kind in ("Q8_0", "Q5_0", "Q6_K") else Q4Weight)
     ref = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(37, 512)
     # the same float32 products, maybe in another association order: a few ulp
     np.testing.assert_allclose(w.dequantize().numpy(), ref, rtol=1e-6, atol=1e-6)

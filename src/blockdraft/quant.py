@@ -4,8 +4,8 @@ Why: a decode step of a small target is bound by the bytes of weights it reads. 
 weight; dequantized to bf16 the same model reads 16. Two formats cover what GGUF files hold (`csrc/qlinear.cpp`):
 - `Q4Weight`: 4-bit codes c with a scale d and an offset o per block of 32 along the input: w = d * c + o. GGUF's
   Q4_0 (o = -8d), Q4_1 (o = m) and Q4_K (per sub-block d * sc and -dmin * m) map onto it exactly.
-- `Q8Weight`: signed 8-bit codes with a scale per 16 inputs: w = s * c. GGUF's Q8_0 (one scale per 32) and Q6_K
-  (codes - 32, one scale per 16) map onto it exactly.
+- `Q8Weight`: signed 8-bit codes with a scale per 16 inputs: w = s * c. GGUF's Q8_0 (one scale per 32), Q5_0
+  (codes - 16, one scale per 32) and Q6_K (codes - 32, one scale per 16) map onto it exactly.
 A bf16 / fp32 model can be quantized into either (`quantize_q4`, `quantize_q8`: groups of 32, min/max and absmax),
 opt-in, at some cost in quality.
 
@@ -274,6 +274,15 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         d = _f16(b[..., 0:2])
         codes = b[..., 2:].copy().view(np.int8).reshape(n, k)
         return Q8Weight(torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)))
+    if kind == "Q5_0":  # d, 32 high bits (qh), 16 bytes of low nibbles (byte j: inputs j and j + 16); w = d (q - 16)
+        b = data.reshape(n, k // BLOCK, 22)
+        d = _f16(b[..., 0:2])
+        qh = b[..., 2:6].copy().view(np.uint32)  # [N, G, 1], little-endian as GGUF stores it
+        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [N, G, 32]: bit j is input j's fifth bit
+        qs = b[..., 6:22]
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32] in input order
+        codes = ((lo | (bits << 4).astype(np.uint8)).astype(np.int16) - 16).astype(np.int8).reshape(n, k)
+        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)))
     if kind == "Q4_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         b = data.reshape(n, k // 256, 144)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -309,7 +318,7 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, s
         kind = t.tensor_type.name
         k = int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
         w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
-            kind in ("Q4_0", "Q4_1", "Q8_0") and k % BLOCK == 0) else None
+            kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0") and k % BLOCK == 0) else None
         if w is None:
             other[t.name] = kind
         else:

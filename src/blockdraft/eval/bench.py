@@ -471,6 +471,13 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     notes: list[str] = []
     target, target_name, tok, engines, methods, block_sizes, draft_desc, external = _build(
         cfg, target, tokenizer, draft, notes)
+    from .manifest import run_manifest
+
+    # taken before anything is measured: the commit and working tree that ran, whatever changes while it runs
+    command = cfg.command or shlex.join(sys.argv)
+    draft_dir = draft_desc if draft_desc and Path(draft_desc).exists() else None
+    manifest = run_manifest(command=command, draft=draft_dir, target_file=getattr(target, "source", None),
+                            weights=target.weights.describe() if hasattr(target, "weights") else None)
     runner = _Runner(cfg, target, tok, engines, block_sizes, external)
 
     items: list[_Item] = []
@@ -539,13 +546,8 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     summary = summarize_records(records, methods, block_sizes, cfg.temperatures)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from .manifest import run_manifest
-
-    command = cfg.command or shlex.join(sys.argv)
-    draft_dir = draft_desc if draft_desc and Path(draft_desc).exists() else None
     results = {
-        "manifest": run_manifest(command=command, draft=draft_dir, target_file=getattr(target, "source", None),
-                                 weights=target.weights.describe() if hasattr(target, "weights") else None),
+        "manifest": manifest,
         "config": dataclasses.asdict(cfg), "command": command,
         "machine": machine, "target": target_name, "draft": draft_desc, "methods": methods,
         "block_sizes": block_sizes, "notes": notes, "summary": summary, "records": records,
