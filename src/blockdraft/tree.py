@@ -174,8 +174,26 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
         best_p, best_t = vals.tolist(), idx.tolist()
         support = (q[:deepest] > 0).sum(-1).tolist()
 
+    # the continuations as ints and the draft's probability of each lookup token at each depth, read in one gather
+    # per depth: indexing q one element at a time inside the expansion took most of a tree's build time
+    lookups = [c.tolist() if isinstance(c, torch.Tensor) else [int(t) for t in c] for c in lookups]
+    lk_q: list[dict[int, float]] = []
+    for d in range(1, min(d_draft, deepest) + 1):
+        toks = sorted({c[d - 1] for c in lookups if d <= len(c)})
+        lk_q.append(dict(zip(toks, q[d - 1, toks].float().tolist())) if toks else {})
+
+    # per depth, the draft's candidate children in rank order with their scores (the same for every node at that
+    # depth; a node only skips its own lookup tokens), and each branch's token and confidence
+    draft_kids: list[list[tuple[float, int]]] = []
+    for d in range(1, len(best_p) + 1):
+        f = 1.0 if draft_scale is None or d > len(draft_scale) else float(draft_scale[d - 1])
+        draft_kids.append([(min(1.0, p * f), t, p) for p, t in zip(best_p[d - 1], best_t[d - 1]) if p > 0])
+    branch_tok = [[c[d] for d in range(len(c))] for c in lookups]
+    branch_conf = [[float(c)] * len(lookups[r]) if isinstance(c, (int, float)) else [float(x) for x in c]
+                   for r, c in enumerate(lookup_conf[: len(lookups)])]
+
     nodes = [_Node(-1, 0, root, False, 1.0, frozenset(range(len(lookups))))]
-    heap: list[tuple[float, int, _Node]] = []
+    heap: list[tuple] = []  # (-score, push order, parent, depth, token, point mass, branches): a node once popped
     counter = 0
 
     def push_children(i: int) -> None:
@@ -184,36 +202,35 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
         d = node.depth + 1
         if d > deepest:
             return
-        lk: dict[int, tuple[float, set[int]]] = {}  # lookup token -> (confidence, branches)
+        lk: dict[int, tuple[float, frozenset]] = {}  # lookup token -> (confidence, branches)
         for r in sorted(node.lookup):
-            if d <= len(lookups[r]):
-                tok = int(lookups[r][d - 1])
-                conf, br = lk.get(tok, (0.0, set()))
-                c = lookup_conf[r] if isinstance(lookup_conf[r], (int, float)) else lookup_conf[r][d - 1]
-                lk[tok] = (max(conf, float(c)), br | {r})
-        qd = q[d - 1] if (q is not None and d <= d_draft) else None
+            if d <= len(branch_tok[r]):
+                tok = branch_tok[r][d - 1]
+                conf, br = lk.get(tok, (0.0, frozenset()))
+                lk[tok] = (max(conf, branch_conf[r][d - 1]), br | {r})
+        qd = lk_q[d - 1] if (q is not None and d <= d_draft) else None  # lookup token -> the draft's probability
         f = 1.0 if draft_scale is None or d > len(draft_scale) else float(draft_scale[d - 1])
         kids: list[tuple[float, int | None, bool, frozenset]] = []  # (P(child | node), token, point mass, branches)
         for tok, (conf, br) in lk.items():
             if qd is not None:
-                conf = max(conf, min(1.0, float(qd[tok]) * f))
-            kids.append((conf, tok, True, frozenset(br)))
+                conf = max(conf, min(1.0, qd[tok] * f))
+            kids.append((conf, tok, True, br))
         if qd is not None and top_k > 0 and best_p:
             if sample:
                 # slot r stands for the r-th draw without replacement from q minus the lookup tokens; its score
                 # uses the r-th largest remaining probability (a shape heuristic: it never looks at what is drawn)
                 rest = [p for p, t in zip(best_p[d - 1], best_t[d - 1]) if t not in lk]
-                n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if float(qd[t]) > 0))
+                n_slots = min(top_k, support[d - 1] - sum(1 for t in lk if qd[t] > 0))
                 kids += [(min(1.0, rest[r] * f), None, False, frozenset()) for r in range(min(n_slots, len(rest)))]
             else:
                 kept = 0
-                for p, t in zip(best_p[d - 1], best_t[d - 1]):
-                    if kept == top_k or p <= 0:  # a token the draft rules out is not worth a node
+                for score, t, _ in draft_kids[d - 1]:  # a token the draft rules out (p = 0) is not worth a node
+                    if kept == top_k:
                         break
                     if t in lk:  # merged with the lookup child above
                         continue
                     kept += 1
-                    kids.append((min(1.0, p * f), t, False, frozenset()))
+                    kids.append((score, t, False, frozenset()))
         # siblings are different tokens, so at most one of them is accepted: their conditional probabilities are
         # capped so that they sum to at most 1, the most likely first (two lookup branches that diverge here, each
         # with a high running rate, would otherwise promise more than one token at this depth)
@@ -221,14 +238,13 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
         for conf, tok, pm, br in sorted(kids, key=lambda k: -k[0]):
             conf = min(conf, left)
             left -= conf
-            child = _Node(i, d, tok, pm, node.score * conf, br)
-            heapq.heappush(heap, (-child.score, counter, child))
+            heapq.heappush(heap, (-node.score * conf, counter, i, d, tok, pm, br))
             counter += 1
 
     push_children(0)
     while heap and len(nodes) <= budget:
-        _, _, node = heapq.heappop(heap)
-        nodes.append(node)
+        neg, _, parent, d, tok, pm, br = heapq.heappop(heap)
+        nodes.append(_Node(parent, d, tok, pm, -neg, br))
         push_children(len(nodes) - 1)
     # pop order has non-increasing scores and parents first, so any prefix is a valid tree
     keep = len(nodes) - 1 if choose is None else max(0, min(len(nodes) - 1, choose([n.score for n in nodes[1:]])))
