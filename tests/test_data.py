@@ -182,6 +182,17 @@ def tiny():
     return model, tok
 
 
+def test_a_small_selection_still_holds_out_one_prompt_per_source(tiny):
+    _, tok = tiny
+    train, held, _ = D.select_regeneration_prompts(tok, n_sharegpt=12, n_gsm=12)
+    assert [p.task for p in train].count("sharegpt") == 12 and [p.task for p in train].count("gsm") == 12
+    assert sorted(p.task for p in held) == ["gsm", "sharegpt"]  # 2% of 12 rounds to 0: one of each instead
+    assert not {p.id for p in held} & {p.id for p in train}
+    big, big_held, _ = D.select_regeneration_prompts(tok, n_sharegpt=400, n_gsm=0)
+    assert len(big_held) == round(400 * 0.02 / 0.98) and all(p.task == "sharegpt" for p in big_held)
+    assert not D.select_regeneration_prompts(tok, n_sharegpt=12, n_gsm=12, heldout=False)[1]
+
+
 PROMPTS = [P(f"r{i}", "Tell me about " + " and ".join(["cats"] * (i * 3 + 1)), task="sharegpt") for i in range(6)]
 
 

@@ -529,7 +529,7 @@ def select_regeneration_prompts(tokenizer, n_sharegpt: int = 6000, n_gsm: int = 
     eval tasks and split (`build_prompt_set`); from the train side, the first `n_sharegpt` ShareGPT prompts (seeded
     shuffle) and the first `n_gsm` math prompts whose chat-templated length fits `max_prompt_tokens` are kept,
     plus every user JSONL prompt; the held-out side keeps the same proportion (heldout_fraction /
-    (1 - heldout_fraction) of those counts). Each side is then shuffled (seeded) so that the sources are
+    (1 - heldout_fraction) of those counts, at least one per requested source). Each side is then shuffled (seeded) so that the sources are
     interleaved and a partially finished regeneration is already a representative mix.
     """
     sg = sharegpt_prompts()
@@ -550,8 +550,13 @@ def select_regeneration_prompts(tokenizer, n_sharegpt: int = 6000, n_gsm: int = 
         random.Random(seed + 7).shuffle(chosen)  # interleave sources: a partial run is a representative mix
         return chosen
 
+    def held_count(n: int) -> int:
+        # at least one held-out prompt per requested source: a small run (a quickstart's dozen prompts) would
+        # otherwise round to none and leave the next command without held-out data
+        return max(1, int(round(n * ratio))) if n > 0 and ratio > 0 else 0
+
     train = select(train_all, n_sharegpt, n_gsm)
-    held = select(held_all, int(round(n_sharegpt * ratio)), int(round(n_gsm * ratio))) if heldout else []
+    held = select(held_all, held_count(n_sharegpt), held_count(n_gsm)) if heldout else []
     return train, held, rep
 
 
