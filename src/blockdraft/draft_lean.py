@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
-from .lean import Linear, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
+from .lean import Linear, RopeRows, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
 from .quant import BLOCK, QuantLinear, quant_kernels, quantize
 
 
@@ -73,7 +73,9 @@ class LeanDraft:
         attn = [layer.self_attn for layer in draft.layers]
         self.ctx_kv = _linear([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], packed, weights)
         self.native = self._build_native()
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the values `rope_cos_sin` gives, position by position
+        self._rope_rows = RopeRows(lambda n: tuple(t[0, 0] for t in rope_cos_sin(
+            torch.arange(n, device=device).unsqueeze(0), cfg.head_dim, cfg.rope_theta, torch.float32)))
 
     def _build_native(self):
         """The native stack (csrc/decoder.cpp) when every linear is quantized and the kernels are built, else None."""
@@ -92,15 +94,8 @@ class LeanDraft:
         return native
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [1, T] -> float32 (cos, sin) [T, D] for the native stack: rows of a table built once (and
-        grown by doubling), the values `rope_cos_sin` gives position by position."""
-        need = int(positions.max()) + 1
-        if self._rope_table is None or self._rope_table[0].shape[0] < need:
-            n = max(need, 2 * (0 if self._rope_table is None else self._rope_table[0].shape[0]), 256)
-            cos, sin = rope_cos_sin(torch.arange(n, device=positions.device).unsqueeze(0), self.config.head_dim,
-                                    self.config.rope_theta, torch.float32)
-            self._rope_table = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
-        return self._rope_table[0][positions[0]].contiguous(), self._rope_table[1][positions[0]].contiguous()
+        """positions [1, T] -> float32 (cos, sin) [T, D] for the native stack."""
+        return self._rope_rows(positions[0])
 
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, ctx: KVCache) -> None:
         """features [1, C, K*H] at positions [1, C] -> their keys / values appended to every layer of `ctx`."""

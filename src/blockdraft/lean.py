@@ -26,6 +26,7 @@ scaled embeddings and extra norms, ...) keep the HF path: see `LeanDecoder.suppo
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +184,24 @@ class _Layer:
         return x + self.down(self.act(gate) * up)
 
 
+class RopeRows:
+    """RoPE rows for the native stacks: positions [T] -> float32 (cos, sin) [T, D], read from a table that
+    `build(n)` -> (cos, sin) [n, D] fills for positions 0..n-1, built once and grown by doubling (instead of ~10
+    tensor ops at every step). Valid where RoPE of a position does not depend on the others."""
+
+    def __init__(self, build: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.build = build
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if self.table is None or self.table[0].shape[0] < need:
+            n = max(need, 2 * (0 if self.table is None else self.table[0].shape[0]), 256)
+            cos, sin = self.build(n)
+            self.table = (cos.float().contiguous(), sin.float().contiguous())
+        return self.table[0][positions].contiguous(), self.table[1][positions].contiguous()
+
+
 class LeanDecoder:
     """The target's decoder stack on a `KVCache`. Check `LeanDecoder.supports(hf_model)` before building one.
 
@@ -216,11 +235,11 @@ class LeanDecoder:
         self.grouped_single_query = True
         # every linear quantized: single-row batches run the whole stack in one native call (csrc/decoder.cpp)
         self.native, self.native_reason = self._build_native(hf_model)
-        # the native stack reads RoPE rows from a table (`_rope_rows`), valid where RoPE does not depend on the
-        # sequence length (dynamic / long-rope scaling rescale with it)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the native stack reads RoPE rows from a table, valid where RoPE does not depend on the sequence length
+        # (dynamic / long-rope scaling rescale with it)
         rope = getattr(self.cfg, "rope_parameters", None) or getattr(self.cfg, "rope_scaling", None) or {}
         self._rope_static = rope.get("rope_type", rope.get("type", "default")) not in ("dynamic", "longrope")
+        self._rope_table: RopeRows | None = None
 
     def _build_native(self, hf_model: nn.Module):
         """(the native decoder, None) when this model and its weights allow it, else (None, why not)."""
@@ -284,19 +303,16 @@ class LeanDecoder:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _rope_rows(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> float32 (cos, sin) [T, D] for the native stack: rows of a table of the target's own
-        RoPE in the model's dtype (what `_rope` gives, position by position), built once and grown by doubling,
-        instead of the rotary module's ~10 ops at every step."""
+        """positions [T] -> float32 (cos, sin) [T, D] for the native stack: the target's own RoPE in the model's
+        dtype (what `_rope` gives, position by position)."""
         if not self._rope_static:
             cos, sin = self._rope(positions.unsqueeze(0), like)
             return cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
-        need = int(positions.max()) + 1
-        table = self._rope_table
-        if table is None or table[0].shape[0] < need:
-            n = max(need, 2 * (0 if table is None else table[0].shape[0]), 256)
-            cos, sin = self._rope(torch.arange(n, device=like.device).unsqueeze(0), like[:1, :1])
-            table = self._rope_table = (cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous())
-        return table[0][positions].contiguous(), table[1][positions].contiguous()
+        if self._rope_table is None:
+            dev, one = like.device, like[:1, :1]
+            self._rope_table = RopeRows(
+                lambda n: tuple(t[0, 0] for t in self._rope(torch.arange(n, device=dev).unsqueeze(0), one)))
+        return self._rope_table(positions)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         return KVCache(len(self.layers), batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)

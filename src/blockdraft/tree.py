@@ -187,8 +187,7 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     draft_kids: list[list[tuple[float, int]]] = []
     for d in range(1, len(best_p) + 1):
         f = 1.0 if draft_scale is None or d > len(draft_scale) else float(draft_scale[d - 1])
-        draft_kids.append([(min(1.0, p * f), t, p) for p, t in zip(best_p[d - 1], best_t[d - 1]) if p > 0])
-    branch_tok = [[c[d] for d in range(len(c))] for c in lookups]
+        draft_kids.append([(min(1.0, p * f), t) for p, t in zip(best_p[d - 1], best_t[d - 1]) if p > 0])
     branch_conf = [[float(c)] * len(lookups[r]) if isinstance(c, (int, float)) else [float(x) for x in c]
                    for r, c in enumerate(lookup_conf[: len(lookups)])]
 
@@ -204,8 +203,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
             return
         lk: dict[int, tuple[float, frozenset]] = {}  # lookup token -> (confidence, branches)
         for r in sorted(node.lookup):
-            if d <= len(branch_tok[r]):
-                tok = branch_tok[r][d - 1]
+            if d <= len(lookups[r]):
+                tok = lookups[r][d - 1]
                 conf, br = lk.get(tok, (0.0, frozenset()))
                 lk[tok] = (max(conf, branch_conf[r][d - 1]), br | {r})
         qd = lk_q[d - 1] if (q is not None and d <= d_draft) else None  # lookup token -> the draft's probability
@@ -224,7 +223,7 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
                 kids += [(min(1.0, rest[r] * f), None, False, frozenset()) for r in range(min(n_slots, len(rest)))]
             else:
                 kept = 0
-                for score, t, _ in draft_kids[d - 1]:  # a token the draft rules out (p = 0) is not worth a node
+                for score, t in draft_kids[d - 1]:  # a token the draft rules out (p = 0) is not worth a node
                     if kept == top_k:
                         break
                     if t in lk:  # merged with the lookup child above

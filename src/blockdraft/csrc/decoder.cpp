@@ -164,6 +164,32 @@ inline void store_kv(const float* k, const float* v, int64_t n_kv, int64_t d, C*
     }
 }
 
+// The checks both stacks make on the caller's KVCache buffers [L, 1, Hkv, capacity, D] and RoPE rows [T, D]
+// before writing T new positions at start.
+inline void check_step(const torch::Tensor& kc, const torch::Tensor& vc, int64_t layers, int64_t n_kv, int64_t d,
+                       int64_t start, int64_t t, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(kc.dim() == 5 && kc.size(0) == layers && kc.size(1) == 1 && kc.size(2) == n_kv && kc.size(4) == d &&
+                  kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
+                  vc.scalar_type() == kc.scalar_type(),
+              "caches must be contiguous [L, 1, Hkv, capacity, D]");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16, "cache must be fp32 or bf16");
+  TORCH_CHECK(start >= 0 && start + t <= kc.size(3), "the cache has no room for ", t, " tokens after ", start);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == t * d && sin.numel() == t * d,
+              "cos / sin must be contiguous float32 [T, D]");
+}
+
+// The SiLU-gated MLP of t rows added into the residual stream x [t, H]: x += down(silu(gate(h)) * up(h)),
+// h = RMSNorm(x) with ln. hbuf [t, H], gu [t, 2I], act [t, I], tmp [t, H]: scratch.
+inline void mlp_residual(float* x, int64_t t, int64_t h, int64_t inter, const float* ln, float eps,
+                         const QLin& gate_up, const QLin& down, float* hbuf, float* gu, float* act, float* tmp) {
+  for (int64_t r = 0; r < t; ++r) rms_norm(x + r * h, ln, h, eps, hbuf + r * h);
+  gate_up.apply(hbuf, t, gu);
+  for (int64_t r = 0; r < t; ++r) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+  down.apply(act, t, tmp);
+  add_into(x, tmp, t * h);
+}
+
 class Decoder {
  public:
   Decoder(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter, torch::Tensor final_norm,
@@ -196,14 +222,7 @@ class Decoder {
                                                    c10::optional<torch::Tensor> tree, std::vector<int64_t> tap) {
     const int64_t t = x.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [T, ", h_, "]");
-    TORCH_CHECK(kc.dim() == 5 && kc.size(0) == num_layers() && kc.size(1) == 1 && kc.size(2) == nkv_ &&
-                    kc.size(4) == d_ && kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
-                    vc.scalar_type() == kc.scalar_type(),
-                "caches must be contiguous [L, 1, Hkv, capacity, D]");
-    TORCH_CHECK(start >= 0 && start + t <= kc.size(3), "the cache has no room for ", t, " tokens after ", start);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.numel() == t * d_ && sin.numel() == t * d_,
-                "cos / sin must be contiguous float32 [T, D]");
+    check_step(kc, vc, num_layers(), nkv_, d_, start, t, cos, sin);
     const bool* tm = nullptr;
     torch::Tensor tree_c;
     if (tree.has_value() && tree->defined()) {
@@ -212,7 +231,6 @@ class Decoder {
       tm = tree_c.data_ptr<bool>();
     }
     for (int64_t i : tap) TORCH_CHECK(i >= 0 && i < num_layers(), "tap layer ", i, " out of range");
-    TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16, "cache must be fp32 or bf16");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
 
     torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();  // the residual stream [T, H], a copy
@@ -233,13 +251,8 @@ class Decoder {
                              kc.size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), tm, att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
-      for (int64_t r = 0; r < t; ++r)
-        rms_norm(xr + r * h_, L.ln_post.data_ptr<float>(), h_, L.eps_post, hbuf.data() + r * h_);
-      L.gate_up.apply(hbuf.data(), t, gu.data());
-      for (int64_t r = 0; r < t; ++r)
-        silu_mul(gu.data() + r * 2 * inter_, gu.data() + r * 2 * inter_ + inter_, inter_, act.data() + r * inter_);
-      L.down.apply(act.data(), t, tmp.data());
-      add_into(xr, tmp.data(), t * h_);
+      mlp_residual(xr, t, h_, inter_, L.ln_post.data_ptr<float>(), L.eps_post, L.gate_up, L.down, hbuf.data(),
+                   gu.data(), act.data(), tmp.data());
       for (size_t j = 0; j < tap.size(); ++j)
         if (tap[j] == li)
           for (int64_t r = 0; r < t; ++r)
@@ -315,7 +328,7 @@ class DraftStack {
   void context(torch::Tensor feats, torch::Tensor kc, torch::Tensor vc, int64_t start, torch::Tensor cos,
                torch::Tensor sin) {
     const int64_t c = feats.size(0);
-    check(kc, vc, start, c, cos, sin);
+    check_step(kc, vc, num_layers(), nkv_, d_, start, c, cos, sin);
     TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc_.k, "features must be [C, ", fc_.k, "]");
     TORCH_CHECK(ctx_kv_.n == 2 * num_layers() * nkv_ * d_ && ctx_kv_.k == h_, "context k/v shapes do not fit");
     const torch::Tensor f = feats.to(torch::kFloat).contiguous();
@@ -351,7 +364,7 @@ class DraftStack {
     const int64_t t = x.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [Q, ", h_, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
-    check(kc, vc, start, t, cos, sin);
+    check_step(kc, vc, num_layers(), nkv_, d_, start, t, cos, sin);
     torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();
     const int64_t row = (nq_ + 2 * nkv_) * d_, cap = kc.size(3);
     std::vector<float> hbuf(t * h_), qkv(t * row), att(t * nq_ * d_), tmp(t * h_), gu(t * 2 * inter_),
@@ -376,12 +389,8 @@ class DraftStack {
                         att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
-      for (int64_t r = 0; r < t; ++r) rms_norm(xr + r * h_, L.ln2.data_ptr<float>(), h_, L.eps, hbuf.data() + r * h_);
-      L.gate_up.apply(hbuf.data(), t, gu.data());
-      for (int64_t r = 0; r < t; ++r)
-        silu_mul(gu.data() + r * 2 * inter_, gu.data() + r * 2 * inter_ + inter_, inter_, act.data() + r * inter_);
-      L.down.apply(act.data(), t, tmp.data());
-      add_into(xr, tmp.data(), t * h_);
+      mlp_residual(xr, t, h_, inter_, L.ln2.data_ptr<float>(), L.eps, L.gate_up, L.down, hbuf.data(), gu.data(),
+                   act.data(), tmp.data());
     }
     torch::Tensor out = torch::empty({t, h_}, torch::kFloat);
     for (int64_t r = 0; r < t; ++r)
@@ -390,19 +399,6 @@ class DraftStack {
   }
 
  private:
-  void check(const torch::Tensor& kc, const torch::Tensor& vc, int64_t start, int64_t t, const torch::Tensor& cos,
-             const torch::Tensor& sin) const {
-    TORCH_CHECK(kc.dim() == 5 && kc.size(0) == num_layers() && kc.size(1) == 1 && kc.size(2) == nkv_ &&
-                    kc.size(4) == d_ && kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
-                    vc.scalar_type() == kc.scalar_type(),
-                "caches must be contiguous [L, 1, Hkv, capacity, D]");
-    TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16, "cache must be fp32 or bf16");
-    TORCH_CHECK(start >= 0 && start + t <= kc.size(3), "the cache has no room for ", t, " positions after ", start);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.numel() == t * d_ && sin.numel() == t * d_,
-                "cos / sin must be contiguous float32 [T, D]");
-  }
-
   template <typename C>
   void block_attention(int64_t li, int64_t t, int64_t start, const float* qkv, C* kc, C* vc, int64_t cap,
                        float* att) const {
