@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.eval.tasks import load_task
 from blockdraft.loading import build_engine, encode_prompt, load_target
 
@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
-    engines = {"ar": SpeculativeEngine(target)}
+    engines = {"ar": Engine(target)}
     for spec in args.draft:
         name, _, path = spec.partition("=")
         path, _, block = path.partition("@")

@@ -1,25 +1,26 @@
 #!/usr/bin/env python
-"""Serving benchmark: throughput and per-request latency of the batched engine at several concurrency levels,
-plain decoding (`ar`) vs a DFlash draft, on the default SmolLM2 target. One process, in-process scheduler (the
-same worker thread and BatchedEngine the HTTP server uses, without the HTTP layer).
+"""Serving benchmark over HTTP with the `openai` client: per-request decode speed and aggregate throughput of
+`blockdraft serve` at several concurrency levels, against `blockdraft generate`'s engine on the same prompts.
 
-For each method and concurrency c: c client threads submit greedy chat requests back to back (prompts taken in
-turn from a fixed list) until `--requests` (default max(c, --min-requests)) have completed. Reported: total
-completion tokens / wall seconds, mean and max request latency (submit -> done), mean time to first token, and
-the mean tau (tokens committed per target forward).
+For each method (`ar` = `--draft none`, `dflash` = the shipped draft with the server's default method) one real
+server process is started (`python -m blockdraft.serve.app`, the given --threads). Then, prompt by prompt, the
+same greedy request runs once in this process through the engine `blockdraft generate` uses and once through the
+server with concurrency 1 (interleaved, so both see the same machine). After that, for each concurrency c, c client
+threads stream requests back to back until max(c, --min-requests) have completed.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/serve_bench.py --out runs/serve_bench.md
+Reported per request: decode tok/s = (completion tokens - 1) / (last chunk - first chunk) on the client's clock
+(prefill and the first token excluded, as the bench's decode tok/s); per level: total completion tokens / wall
+seconds, mean time to first token, mean tau (from the response's `blockdraft` object).
 
-Draft choice (--draft auto): models/smollm2-135m-dflash if present, else the newest runs/smollm2-l2/draft (copied
-first: a trainer may be rewriting it), else an untrained 2-layer draft (what `blockdraft init-draft --layers 2`
-writes) in /tmp/untrained-draft.
+    .venv/bin/python scripts/serve_bench.py --threads 2 --out benchmarks/serving/DATE/serve.md
+
+Prompts: the bench's math, code and chat tasks (`--n` each), which no draft trained on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import threading
@@ -28,148 +29,146 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "What is 17 times 23? Show your steps.",
-    "Write a Python function that reverses a string.",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a hash map is in two sentences.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether?",
-    "Write a short poem about autumn leaves.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Summarize the plot of Romeo and Juliet in three sentences.",
-]
+from soak import ServerProcess  # the soak test's server launcher: same process, flags and readiness probe
 
 
-def pick_draft(spec: str, target) -> tuple[Path, str]:
-    if spec != "auto":
-        return Path(spec), spec
-    shipped = ROOT / "models" / "smollm2-135m-dflash"
-    if (shipped / "config.json").is_file():
-        return shipped, "models/smollm2-135m-dflash (shipped)"
-    run = ROOT / "runs" / "smollm2-l2" / "draft"
-    if (run / "config.json").is_file() and (run / "model.safetensors").is_file():
-        snap = Path("/tmp/serve-bench-draft")
-        shutil.rmtree(snap, ignore_errors=True)
-        shutil.copytree(run, snap)
-        meta = json.loads((snap / "config.json").read_text()).get("blockdraft", {})
-        when = time.strftime("%H:%M", time.localtime((run / "model.safetensors").stat().st_mtime))
-        return snap, f"runs/smollm2-l2/draft (in training; snapshot of {when}, metadata {meta or 'none'})"
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
-    from blockdraft.loading import default_mask_token_id
-
-    out = Path("/tmp/untrained-draft")
-    if not (out / "config.json").is_file():
-        torch.manual_seed(0)
-        cfg = DFlashConfig.from_target(target.config, num_hidden_layers=2,
-                                       mask_token_id=default_mask_token_id(target.tokenizer, target.vocab_size))
-        DFlashDraftModel(cfg).init_from_target(target).save_pretrained(out)
-    return out, "/tmp/untrained-draft (untrained, 2 layers)"
+def stream_one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    chunks, usage, extra = 0, None, {}
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first if first is not None else now
+            last = now
+            chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        bd = getattr(chunk, "blockdraft", None) or (chunk.model_extra or {}).get("blockdraft")
+        if bd:
+            extra = bd
+    n = usage.completion_tokens if usage is not None else chunks
+    decode = (last - first) if first is not None and last is not None else 0.0
+    return {"tokens": n, "latency": time.perf_counter() - t0, "ttft": (first - t0) if first else 0.0,
+            "decode_tok_s": (n - 1) / decode if decode > 0 and n > 1 else 0.0, "tau": extra.get("tau")}
 
 
-def run_level(scheduler, prompt_ids, concurrency: int, n_requests: int, max_tokens: int) -> dict:
-    from blockdraft.config import GenerationConfig, SamplingParams
-
-    cfg = GenerationConfig(max_new_tokens=max_tokens)
+def level(client, model: str, prompts: list[list[dict]], concurrency: int, n_requests: int, max_tokens: int) -> dict:
     lock = threading.Lock()
     counter = iter(range(n_requests))
-    records = []
+    recs: list[dict] = []
 
-    def client():
+    def worker():
         while True:
             with lock:
                 i = next(counter, None)
             if i is None:
                 return
-            t0 = time.perf_counter()
-            h = scheduler.submit(prompt_ids[i % len(prompt_ids)], cfg, SamplingParams())
-            first = None
-            for ev in h.events():
-                if first is None and ev.kind == "delta":
-                    first = time.perf_counter() - t0
-            res = h.result
+            r = stream_one(client, model, prompts[i % len(prompts)], max_tokens)
             with lock:
-                records.append({"latency": time.perf_counter() - t0, "ttft": first if first is not None else 0.0,
-                                "tokens": len(res.token_ids), "tau": res.stats.tau})
+                recs.append(r)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in records)
-    lat = [r["latency"] for r in records]
-    return {"concurrency": concurrency, "requests": len(records), "tokens": tokens, "wall_s": wall,
-            "tok_per_s": tokens / wall, "lat_mean_s": statistics.mean(lat), "lat_max_s": max(lat),
-            "ttft_mean_s": statistics.mean(r["ttft"] for r in records),
-            "tau": statistics.mean(r["tau"] for r in records)}
+    taus = [r["tau"] for r in recs if r["tau"] is not None]
+    return {"concurrency": concurrency, "requests": len(recs), "tokens": sum(r["tokens"] for r in recs),
+            "wall_s": wall, "tok_per_s": sum(r["tokens"] for r in recs) / wall,
+            "decode_tok_s_mean": statistics.mean(r["decode_tok_s"] for r in recs),
+            "ttft_mean_s": statistics.mean(r["ttft"] for r in recs), "tau": statistics.mean(taus) if taus else None}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None)
-    p.add_argument("--draft", default="auto")
+    p.add_argument("--draft", default=None, help="draft for the dflash method (default: the shipped one)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--tasks", default="math,code,chat")
+    p.add_argument("--n", type=int, default=3, help="prompts per task")
     p.add_argument("--concurrency", default="1,2,4,8")
-    p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-step-tokens", type=int, default=None, help="BatchedEngine's per-step position budget")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--methods", default="ar,dflash")
     p.add_argument("--out", default=None, help="also write the markdown (and a .json next to it)")
     args = p.parse_args(argv)
 
+    from openai import OpenAI
+
+    from blockdraft.eval.tasks import load_task
+    from blockdraft.loading import build_engine, encode_prompt, load_target, resolve_draft
+    from blockdraft.config import GenerationConfig
+
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from blockdraft.batch import BatchedEngine
-    from blockdraft.draft import DFlashDraftModel
-    from blockdraft.loading import encode_prompt, load_target
-    from blockdraft.proposers.dflash import DFlashProposer
-    from blockdraft.serve.scheduler import Scheduler
-
     target, src = load_target(args.target, args.dtype)
-    draft_path, draft_desc = pick_draft(args.draft, target)
-    draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target.dtype)
+    prompts = [q for t in args.tasks.split(",") for q in load_task(t, n=args.n, seed=0)]
+    messages = [q.messages for q in prompts]
+    cfg = GenerationConfig(max_new_tokens=args.max_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompt_ids = [encode_prompt(target.tokenizer, q) for q in PROMPTS]
-    rows = []
-    for method in ("ar", "dflash"):
-        proposer = DFlashProposer(draft, target, args.block_size) if method == "dflash" else None
-        engine = BatchedEngine(target, proposer, max_batch=max(levels), max_step_tokens=args.max_step_tokens)
-        sched = Scheduler(engine, max_queue=1024).start()
+    draft_path = resolve_draft(args.draft, src.name)
+    rows, solo = [], []
+    for method in args.methods.split(","):
+        engine = build_engine(target, draft_path if method == "dflash" else None)
+        server_args = argparse.Namespace(max_batch=args.max_batch, max_queue=256, max_tokens=args.max_tokens,
+                                         dtype=args.dtype, threads=args.threads, target=args.target,
+                                         draft="none" if method == "ar" else args.draft)
+        log = Path(f"/tmp/serve-bench-{method}.log")
+        server = ServerProcess(server_args, log)
         try:
-            run_level(sched, prompt_ids, 1, 1, 8)  # warm-up
+            client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+            model = client.models.list().data[0].id
+            stream_one(client, model, messages[0], 8)  # warm-up, both sides
+            engine.generate(encode_prompt(target.tokenizer, messages[0]), GenerationConfig(max_new_tokens=8))
+            for q, msgs in zip(prompts, messages):
+                res = engine.generate(encode_prompt(target.tokenizer, msgs), cfg)
+                http = stream_one(client, model, msgs, args.max_tokens)
+                solo.append({"method": method, "prompt": q.id, "generate_decode_tok_s": res.stats.decode_tokens_per_s,
+                             "generate_tau": res.stats.tau, "serve_decode_tok_s": http["decode_tok_s"],
+                             "serve_tau": http["tau"], "tokens": http["tokens"]})
+                print(json.dumps(solo[-1]), file=sys.stderr, flush=True)
             for c in levels:
-                r = run_level(sched, prompt_ids, c, max(c, args.min_requests), args.max_tokens)
+                r = level(client, model, messages, c, max(c, args.min_requests), args.max_tokens)
                 r["method"] = method
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:
-            sched.stop()
+            server.stop()
 
+    lines = [f"target {src.name} ({args.dtype}, weights {target.weights.describe()}), draft "
+             f"{draft_path.name if draft_path else 'none'}, greedy, max_tokens {args.max_tokens}, threads "
+             f"{args.threads}, {len(prompts)} prompts ({args.tasks}), max_batch {args.max_batch}", "",
+             "Concurrency 1, prompt by prompt (medians): `blockdraft generate`'s engine in-process vs the server "
+             "through HTTP", "", "| method | generate decode tok/s | serve decode tok/s | serve / generate | tau |",
+             "|---|---:|---:|---:|---:|"]
+    for method in args.methods.split(","):
+        s = [x for x in solo if x["method"] == method]
+        g = statistics.median(x["generate_decode_tok_s"] for x in s)
+        h = statistics.median(x["serve_decode_tok_s"] for x in s)
+        ratio = statistics.median(x["serve_decode_tok_s"] / x["generate_decode_tok_s"] for x in s
+                                  if x["generate_decode_tok_s"] > 0)
+        lines.append(f"| {method} | {g:.1f} | {h:.1f} | {ratio:.2f}x | {statistics.mean(x['generate_tau'] for x in s):.2f} |")
     base = {r["concurrency"]: r["tok_per_s"] for r in rows if r["method"] == "ar"}
-    lines = [
-        f"target {src.name} ({args.dtype}), draft {draft_desc}, block size "
-        f"{args.block_size or draft.block_size}, max_step_tokens {args.max_step_tokens}, greedy, "
-        f"max_tokens {args.max_tokens}, "
-        f"torch threads {args.threads}, CPU",
-        "",
-        "| method | concurrency | requests | tokens | wall s | total tok/s | vs ar | mean latency s | max latency s "
-        "| mean TTFT s | tau |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines += ["", "| method | concurrency | requests | total tok/s | vs ar | per-request decode tok/s | mean TTFT s "
+              "| tau |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['tokens']} | {r['wall_s']:.1f} | "
-                     f"{r['tok_per_s']:.1f} | {r['tok_per_s'] / base[r['concurrency']]:.2f}x | {r['lat_mean_s']:.2f} | "
-                     f"{r['lat_max_s']:.2f} | {r['ttft_mean_s']:.2f} | {r['tau']:.2f} |")
+        vs = f"{r['tok_per_s'] / base[r['concurrency']]:.2f}x" if r["concurrency"] in base else ""
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else ""
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['tok_per_s']:.1f} | {vs} | "
+                     f"{r['decode_tok_s_mean']:.1f} | {r['ttft_mean_s']:.2f} | {tau} |")
     md = "\n".join(lines)
     print(md)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(md + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"solo": solo, "levels": rows}, indent=1) + "\n")
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.draft import DFlashDraftModel
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.eval.tasks import load_task
 from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
 from blockdraft.proposers.dflash import DFlashProposer
@@ -39,8 +39,8 @@ def main() -> int:
     if path is None:
         raise SystemExit("no DFlash draft (--draft DIR)")
     draft = DFlashDraftModel.from_pretrained(path, dtype=target.dtype)
-    engines = {"dflash (chain)": SpeculativeEngine(target, DFlashProposer(draft, target)),
-               "pld": SpeculativeEngine(target, PromptLookupProposer())}
+    engines = {"dflash (chain)": Engine(target, DFlashProposer(draft, target)),
+               "pld": Engine(target, PromptLookupProposer())}
     for b in (int(x) for x in args.budgets.split(",")):
         engines[f"dflash-tree b={b}"] = build_tree_engine(target, None, budget=b, draft=draft)
         engines[f"dflash+lookup b={b}"] = build_tree_engine(target, None, lookup=True, budget=b, draft=draft)

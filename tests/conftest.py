@@ -40,6 +40,19 @@ def tiny_llama(seed: int = 0, layers: int = 5, dtype=torch.float32, init: float 
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def tiny_llama_q(seed: int = 0, dtype=torch.float32, tied: bool = False):
+    """A llama whose sizes the quantized kernels take (hidden and intermediate multiples of 32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.5, eos_token_id=97, bos_token_id=0, pad_token_id=0,
+                      tie_word_embeddings=tied)
+    with seeded(seed):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
 def tiny_qwen3(seed: int = 0, layers: int = 4, dtype=torch.float32):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -192,7 +192,7 @@ def test_reference_methods_and_step_split(tmp_path):
 def test_weights_modes_run_side_by_side(tmp_path):
     """--weights bf16,int4: every engine method on float weights, and again as METHOD@int4 on quantized ones."""
     from blockdraft import quant
-    from test_quant import tiny_llama_q
+    from conftest import tiny_llama_q
 
     if quant.kernel_status() is not None:
         pytest.skip(f"no quantized kernels: {quant.kernel_status()}")

@@ -11,7 +11,7 @@ from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.copy_gate import (GATE_WEIGHTS_NAME, CopyGate, LookupTables, gated_ids, gated_logits,
                                   gated_probs_to_vocab)
 from blockdraft.draft import DFlashConfig, DFlashDraftModel
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.proposers.lookup import lookup_continuation, lookup_table
 from conftest import naive_greedy, seeded, tiny_draft
@@ -123,7 +123,7 @@ def test_greedy_with_a_copy_gate_is_token_exact(target, vocab):
     ref = naive_greedy(target, prompt, 40)
     ids = torch.arange(0, 99, 4) if vocab else None  # 25 tokens: most candidates lie outside
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    res = SpeculativeEngine(target, DFlashProposer(_gated(target, vocab=ids), target, block_size=4)).generate(
+    res = Engine(target, DFlashProposer(_gated(target, vocab=ids), target, block_size=4)).generate(
         prompt, cfg)
     assert res.token_ids == ref
 
@@ -157,8 +157,8 @@ def test_zero_gate_proposes_what_the_draft_alone_proposes(llama_target):
     gated = draft.with_copy_gate().eval()
     prompt = _repetitive_prompt()
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
-    a = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target, block_size=4)).generate(prompt, cfg)
-    b = SpeculativeEngine(llama_target, DFlashProposer(gated, llama_target, block_size=4)).generate(prompt, cfg)
+    a = Engine(llama_target, DFlashProposer(draft, llama_target, block_size=4)).generate(prompt, cfg)
+    b = Engine(llama_target, DFlashProposer(gated, llama_target, block_size=4)).generate(prompt, cfg)
     assert a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
 
 

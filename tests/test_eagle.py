@@ -10,7 +10,7 @@ import torch
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.draft import DFlashDraftModel
 from blockdraft.eagle import EagleConfig, EagleDraftModel, eagle_target_layer_ids, is_eagle_draft
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.proposers.eagle import EagleProposer
 from blockdraft.target import TargetModel
 from blockdraft.train.blocks import IGNORE
@@ -131,7 +131,7 @@ class ScriptedEagle(EagleProposer):
 def test_greedy_random_drafter_is_token_exact(target: TargetModel, gamma: int, one_thread):
     prompt = _prompt()
     ref = naive_greedy(target, prompt, N_NEW)
-    eng = SpeculativeEngine(target, EagleProposer(tiny_eagle(target), target, gamma=gamma))
+    eng = Engine(target, EagleProposer(tiny_eagle(target), target, gamma=gamma))
     res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert res.token_ids == ref
     assert len(res.stats.accept_lengths) >= 5, "several verify rounds"
@@ -147,7 +147,7 @@ def test_greedy_scripted_drafter_is_token_exact(llama_target, gamma: int, half: 
     wrong = (lambda pos: pos % 3 == 0) if half else (lambda pos: False)
     prop = ScriptedEagle(tiny_eagle(llama_target), llama_target, gamma, prompt.numel() + 1, ref[1:] + [0] * 8,
                          wrong)
-    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                   ignore_eos=True))
     assert res.token_ids == ref
     if half:
@@ -171,7 +171,7 @@ def test_sampling_returns_the_draft_distribution_and_the_engine_runs(llama_targe
     assert int((out.probs[0] > 0).sum()) == 20  # top-k applied to q as to p
     assert prop.cache.length == prompt.numel() - 1, "speculative rows cropped"
 
-    eng = SpeculativeEngine(llama_target, EagleProposer(draft, llama_target, gamma=4))
+    eng = Engine(llama_target, EagleProposer(draft, llama_target, gamma=4))
     cfg = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)
     a = eng.generate(prompt, cfg, SamplingParams(temperature=1.0, seed=7))
     b = eng.generate(prompt, cfg, SamplingParams(temperature=1.0, seed=7))
@@ -195,7 +195,7 @@ def test_proposals_equal_an_uncached_chain_from_scratch(target: TargetModel, one
     reading the previous hidden state and its argmax token at the next position."""
     draft = tiny_eagle(target, seed=2)
     prop = RecordingEagle(draft, target, gamma=3)
-    SpeculativeEngine(target, prop).generate(_prompt(6), GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    Engine(target, prop).generate(_prompt(6), GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert len(prop.log) >= 5
     for tokens, drafted in prop.log:
         n = tokens.numel()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
-from blockdraft.engine import SpeculativeEngine
-from blockdraft.proposers import Proposal
+from blockdraft.decode.engine import Engine
+from blockdraft.proposers import Proposal, Proposer
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.target import TargetModel
 from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama
@@ -15,7 +15,7 @@ from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama
 N_NEW = 40
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Always right: proposes the true continuation (what a perfect drafter would)."""
 
     name = "oracle"
@@ -45,10 +45,10 @@ def test_greedy_dflash_is_token_exact(target: TargetModel, block_size: int):
     prompt = _prompt()
     ref = naive_greedy(target, prompt, N_NEW)
     cfg = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)
-    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    plain = Engine(target).generate(prompt, cfg)
     assert plain.token_ids == ref
     draft = tiny_draft(target, block_size=16)  # an untrained, essentially useless drafter
-    res = SpeculativeEngine(target, DFlashProposer(draft, target, block_size=block_size)).generate(prompt, cfg)
+    res = Engine(target, DFlashProposer(draft, target, block_size=block_size)).generate(prompt, cfg)
     assert res.token_ids == ref
     assert len(res.stats.accept_lengths) >= 2, "several verify rounds"
     assert sum(res.stats.accept_lengths) + 1 == N_NEW
@@ -60,7 +60,7 @@ def test_greedy_oracle_is_token_exact_and_accepts_everything(target: TargetModel
     prompt = _prompt(1)
     ref = naive_greedy(target, prompt, N_NEW)
     proposer = OracleProposer(prompt.numel(), ref, block_size)
-    res = SpeculativeEngine(target, proposer).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(target, proposer).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                 ignore_eos=True))
     assert res.token_ids == ref
     # every step but the last (which is cut by max_new_tokens) commits a full block
@@ -73,13 +73,13 @@ def test_multi_step_denoising_stays_lossless(llama_target):
     prompt = _prompt(2)
     ref = naive_greedy(llama_target, prompt, N_NEW)
     draft = tiny_draft(llama_target)
-    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=3))
+    eng = Engine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=3))
     assert eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids == ref
 
 
 def test_sampling_is_reproducible_with_a_seed(llama_target):
     draft = tiny_draft(llama_target)
-    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=2))
+    eng = Engine(llama_target, DFlashProposer(draft, llama_target, denoise_steps=2))
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     s = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)
     a, b = eng.generate(_prompt(), cfg, s), eng.generate(_prompt(), cfg, s)
@@ -93,7 +93,7 @@ def test_stops_on_eos_and_never_emits_past_it(llama_target):
     first = ref.index(stop_tok)
     draft = tiny_draft(llama_target)
     for prop in (None, DFlashProposer(draft, llama_target), OracleProposer(prompt.numel(), ref, 8)):
-        res = SpeculativeEngine(llama_target, prop).generate(
+        res = Engine(llama_target, prop).generate(
             prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_token_ids=(stop_tok,)))
         assert res.token_ids == ref[: first + 1] and res.finish_reason == "stop"
 
@@ -105,7 +105,7 @@ def test_stop_strings_cut_text_and_tokens(llama_target):
     full = tok.decode(ref)
     stop = tok.decode(ref[10:12])
     cut = full.find(stop)
-    eng = SpeculativeEngine(llama_target, OracleProposer(prompt.numel(), ref, 8))
+    eng = Engine(llama_target, OracleProposer(prompt.numel(), ref, 8))
     res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_strings=(stop,)))
     assert res.text == full[:cut] and res.finish_reason == "stop"
     assert stop not in res.text and len(res.token_ids) <= 12
@@ -114,7 +114,7 @@ def test_stop_strings_cut_text_and_tokens(llama_target):
 def test_streaming_equals_non_streaming(llama_target):
     prompt = _prompt(5)
     draft = tiny_draft(llama_target)
-    eng = SpeculativeEngine(llama_target, DFlashProposer(draft, llama_target))
+    eng = Engine(llama_target, DFlashProposer(draft, llama_target))
     cfg = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, stop_strings=("zz",))
     gen = eng.stream(prompt, cfg)
     deltas = list(gen)
@@ -125,7 +125,7 @@ def test_streaming_equals_non_streaming(llama_target):
 def test_max_new_tokens_is_exact(llama_target):
     prompt = _prompt(6)
     ref = naive_greedy(llama_target, prompt, 13)
-    eng = SpeculativeEngine(llama_target, OracleProposer(prompt.numel(), ref + [0] * 20, 16))
+    eng = Engine(llama_target, OracleProposer(prompt.numel(), ref + [0] * 20, 16))
     res = eng.generate(prompt, GenerationConfig(max_new_tokens=13, ignore_eos=True))
     assert res.token_ids == ref and res.finish_reason == "length"
 
@@ -133,12 +133,12 @@ def test_max_new_tokens_is_exact(llama_target):
 def test_generation_stops_at_the_context_end():
     t = TargetModel(tiny_llama())  # max_position_embeddings 256
     prompt = _prompt(n=250)
-    res = SpeculativeEngine(t).generate(prompt, GenerationConfig(max_new_tokens=50, ignore_eos=True))
+    res = Engine(t).generate(prompt, GenerationConfig(max_new_tokens=50, ignore_eos=True))
     assert len(res.token_ids) <= 256 - 250 + 1 and res.finish_reason == "length"
 
 
 def test_bad_input_is_a_clear_error(llama_target):
-    eng = SpeculativeEngine(llama_target)
+    eng = Engine(llama_target)
     with pytest.raises(ValueError, match="context"):
         eng.generate(_prompt(n=300))
     with pytest.raises(ValueError, match="non-empty"):
@@ -169,7 +169,7 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
     assert loaded.vocab_ids.tolist() == ids.tolist() and loaded.d2t.dtype == torch.long
     prompt = _prompt(7)
     ref = naive_greedy(llama_target, prompt, N_NEW)
-    eng = SpeculativeEngine(llama_target, DFlashProposer(loaded, llama_target))
+    eng = Engine(llama_target, DFlashProposer(loaded, llama_target))
     res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert res.token_ids == ref
     prop = DFlashProposer(loaded, llama_target)
@@ -191,8 +191,8 @@ def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
                                    target_layer_ids=[0, 4, 2, 3])
     with seeded(5):
         second = DFlashDraftModel(cfg).eval()
-    engines = [SpeculativeEngine(target, DFlashProposer(tiny_draft(target, block_size=6), target)),
-               SpeculativeEngine(target, DFlashProposer(second, target))]
+    engines = [Engine(target, DFlashProposer(tiny_draft(target, block_size=6), target)),
+               Engine(target, DFlashProposer(second, target))]
     prompt = torch.tensor([4, 9, 33, 2, 71])
     want = naive_greedy(target, prompt, 12)
     for eng in engines + engines:
@@ -208,13 +208,13 @@ def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target)
 
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    want = SpeculativeEngine(llama_target).generate(prompt, cfg).token_ids
+    want = Engine(llama_target).generate(prompt, cfg).token_ids
     draft = tiny_draft(llama_target, block_size=5)
     dear = VerifyCost([1.0] + [1000.0] * 15)
     flat = VerifyCost([1.0] * 16)
     for cost in (dear, flat):
         prop = DFlashProposer(draft, llama_target, verify_cost=cost)
-        assert SpeculativeEngine(llama_target, prop).generate(prompt, cfg).token_ids == want
+        assert Engine(llama_target, prop).generate(prompt, cfg).token_ids == want
         widths = prop.widths
         if cost is dear:
             assert widths[0] == 4 and widths.count(0) > len(widths) // 2
@@ -224,7 +224,7 @@ def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target)
                 assert w == 0 or widths[i - ADAPT_EXPLORE_EVERY:i] == [0] * ADAPT_EXPLORE_EVERY, widths
         else:  # every step drafts what a fixed width drafts: the block, or what max_new_tokens leaves
             fixed = DFlashProposer(draft, llama_target)
-            SpeculativeEngine(llama_target, fixed).generate(prompt, cfg)
+            Engine(llama_target, fixed).generate(prompt, cfg)
             assert widths == fixed.widths and widths[0] == 4
 
 

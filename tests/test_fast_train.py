@@ -334,7 +334,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     from blockdraft.config import GenerationConfig
     from blockdraft.proposers.lookup import lookup_continuation, lookup_table
     from blockdraft.draft import DFlashDraftModel
-    from blockdraft.engine import SpeculativeEngine
+    from blockdraft.decode.engine import Engine
     from blockdraft.proposers.dflash import DFlashProposer
     from blockdraft.train.curve import walk_lengths
 
@@ -342,7 +342,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     prompts = [torch.randint(0, VOCAB - 2, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
                for _ in range(6)]
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
-    plain = SpeculativeEngine(tiny_target, None)
+    plain = Engine(tiny_target, None)
     records = []
     for i, p in enumerate(prompts):
         new = plain.generate(p, cfg).token_ids
@@ -371,7 +371,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
         monkeypatch.setattr(dflash_module, "lookup_continuation", recording)
     if next_token:  # the input was trained, so a misaligned next token would change the proposals
         assert float(draft.fc.weight.detach()[:, -draft.config.hidden_size:].abs().sum()) > 0
-    eng = SpeculativeEngine(tiny_target, DFlashProposer(draft, tiny_target, block_size=4))
+    eng = Engine(tiny_target, DFlashProposer(draft, tiny_target, block_size=4))
     for p, rec in zip(prompts, records):
         res = eng.generate(p, cfg)
         assert p + res.token_ids == rec["input_ids"]  # lossless: the walk replays the same text

@@ -9,7 +9,7 @@ import torch
 from blockdraft import lean as lean_module
 from blockdraft.cache import KVCache
 from blockdraft.config import GenerationConfig
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.lean import LeanDecoder, Linear, packed_linear_available
 from blockdraft.target import TargetCache, TargetModel
 
@@ -39,9 +39,10 @@ def test_lean_matches_hf_forward_with_rollback(kind, grouped_from, one_thread, m
         a = lean.forward(ids, c_lean, tap=True)
         b = ref.forward(ids, c_ref, tap=True)
         # fp32 on one thread; fused matmuls sum in another order, and q = 1 steps attend through
-        # `grouped_decode_attention`, not HF's kernel (as accurate against float64: test_batchgen). This llama (random
-        # weights, no q/k norm, logits ~10) carries the roundings to ~3e-5 on logits and ~2e-4 on the residual stream
-        # (float64 does not help: HF's RMSNorm computes in fp32). A wrong mask or position moves them by ~1.
+        # `grouped_decode_attention`, not HF's kernel (as accurate against float64: see the test below). This
+        # llama (random weights, no q/k norm, logits ~10) carries the roundings to ~3e-5 on logits and ~2e-4 on
+        # the residual stream (float64 does not help: HF's RMSNorm computes in fp32). A wrong mask or position
+        # moves them by ~1.
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-3)
         assert a.features.shape == (1, q, 3 * lean.hidden_size)
@@ -80,8 +81,8 @@ def test_engine_greedy_exact_on_both_paths(kind, lean, one_thread, monkeypatch):
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
     want = naive_greedy(target, prompt, 30)
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
-    plain = SpeculativeEngine(target).generate(prompt, cfg)
-    spec = SpeculativeEngine(target, _dflash(target)).generate(prompt, cfg)
+    plain = Engine(target).generate(prompt, cfg)
+    spec = Engine(target, _dflash(target)).generate(prompt, cfg)
     assert plain.token_ids == want
     assert spec.token_ids == want
 
@@ -158,3 +159,41 @@ def test_compiled_lean_matches_eager(one_thread):
         # inductor fuses the elementwise ops and reorders sums: fp32 rounding differs at the 1e-4 level
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(b.features, a.features, rtol=1e-3, atol=1e-3)
+
+
+def test_grouped_decode_attention_equals_sdpa():
+    """The single-query decode step's attention against torch's reference kernel (fp32; tolerance: float rounding of the
+    two summation orders). Odd sizes: 6 query heads over 2 key/value heads, head dim 5, 13 keys, ragged padding."""
+    from blockdraft.lean import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(4, h, n, 5, generator=g) for h, n in ((6, 1), (2, 13), (2, 13)))
+    real = torch.arange(13) >= torch.tensor([0, 5, 12, 3]).unsqueeze(1)  # row r's first real key
+    mask = real[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = grouped_decode_attention(q, k, v, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    # a padded key must not count: moving it changes nothing
+    k2 = k.clone()
+    k2[1, :, :5] = 100.0
+    torch.testing.assert_close(grouped_decode_attention(q, k2, v, mask), got, rtol=0, atol=0)
+    # unmasked (a plain decode step): every key counts
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(grouped_decode_attention(q, k, v), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_decode_attention_as_accurate_as_sdpa():
+    """Against a float64 reference, the fp32 grouped attention errs no more than torch's fp32 kernel does (up to a
+    small slack for rounding luck), also with large scores (x20: near one-hot softmax), where rounding matters most."""
+    from blockdraft.lean import grouped_decode_attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(5)
+    for scale in (1.0, 5.0, 20.0):
+        q = torch.randn(3, 6, 1, 16, generator=g) * scale
+        k = torch.randn(3, 2, 37, 16, generator=g) * scale
+        v = torch.randn(3, 2, 37, 16, generator=g)
+        exact = sdpa(q.double(), k.double(), v.double(), enable_gqa=True)
+        err_sdpa = (sdpa(q, k, v, enable_gqa=True).double() - exact).abs().max().item()
+        err_grouped = (grouped_decode_attention(q, k, v).double() - exact).abs().max().item()
+        assert err_grouped <= 4 * err_sdpa + 1e-6, (scale, err_grouped, err_sdpa)

@@ -15,7 +15,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.draft import DFlashConfig, DFlashDraftModel
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.eval.external import llamacpp_available
 from blockdraft.eval.llamacpp_server import LlamaServer, ServerRunner, server_missing
 from blockdraft.loading import DEFAULT_TARGET, encode_prompt, load_target, resolve_draft
@@ -87,7 +87,7 @@ def test_llamacpp_dflash_accepts_above_an_untrained_draft_and_like_our_engine(fi
     # A copy gate (copy_gate.py) is blockdraft's own and stays out of the GGUF: compare with the draft's layout part.
     target, _ = load_target(None, "bf16")
     draft = DFlashDraftModel.from_pretrained(files["shipped_dir"], dtype=target.dtype).without_copy_gate()
-    engine = SpeculativeEngine(target, DFlashProposer(draft, target, DRAFT_N + 1))
+    engine = Engine(target, DFlashProposer(draft, target, DRAFT_N + 1))
     tok = files["tok"]
     ours = [engine.generate(encode_prompt(tok, p), GenerationConfig(max_new_tokens=MAX_NEW)).stats for p in PROMPTS]
     tau_ours = sum(sum(s.accept_lengths) for s in ours) / sum(len(s.accept_lengths) for s in ours)

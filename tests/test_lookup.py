@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.proposers.lookup import PromptLookupProposer, find_continuation
 from conftest import naive_greedy
 
@@ -58,7 +58,7 @@ def test_greedy_pld_is_token_exact(target, block_size):
     prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12, 9, 10, 11])
     ref = naive_greedy(target, prompt, 40)
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    res = SpeculativeEngine(target, PromptLookupProposer(block_size=block_size)).generate(prompt, cfg)
+    res = Engine(target, PromptLookupProposer(block_size=block_size)).generate(prompt, cfg)
     assert res.token_ids == ref
     assert sum(res.stats.accept_lengths) + 1 == 40
     assert all(1 <= a <= block_size for a in res.stats.accept_lengths)
@@ -66,7 +66,7 @@ def test_greedy_pld_is_token_exact(target, block_size):
 
 
 def test_sampled_pld_is_reproducible(llama_target):
-    eng = SpeculativeEngine(llama_target, PromptLookupProposer())
+    eng = Engine(llama_target, PromptLookupProposer())
     prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
     s = SamplingParams(temperature=1.0, seed=3)
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)

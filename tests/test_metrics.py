@@ -39,7 +39,7 @@ def test_position_acceptance():
 
 
 def test_position_counts_agree_with_the_engine_bookkeeping():
-    from blockdraft.engine import DecodeStats
+    from blockdraft.decode.engine import DecodeStats
 
     s = DecodeStats()
     for g, a in [(3, 3), (3, 0), (3, 1), (2, 2)]:

@@ -12,10 +12,10 @@ import torch
 
 from blockdraft import quant
 from blockdraft.config import GenerationConfig
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, seeded, tiny_draft, tiny_qwen2_with_biases
+from conftest import ToyTokenizer, seeded, tiny_draft, tiny_llama_q, tiny_qwen2_with_biases
 
 pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
                                 reason=f"no quantized kernels: {quant.kernel_status()}")
@@ -157,18 +157,6 @@ def test_unmapped_gguf_type_returns_none():
 
 
 # --------------------------------------------------------------------------------------- a GGUF file, mapped
-def tiny_llama_q(seed: int = 0, dtype=torch.float32, tied: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.5, eos_token_id=97, bos_token_id=0, pad_token_id=0,
-                      tie_word_embeddings=tied)
-    with seeded(seed):
-        model = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval().requires_grad_(False)
-
-
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter's row order for q/k (its RoPE pairs adjacent rows)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -295,9 +283,9 @@ def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one
 
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    plain = Engine(target).generate(prompt, cfg)
     draft = tiny_draft(target, block_size=5, dtype=dtype)
-    spec = SpeculativeEngine(target, DFlashProposer(draft, target)).generate(prompt, cfg)
+    spec = Engine(target, DFlashProposer(draft, target)).generate(prompt, cfg)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.target_forwards < plain.stats.target_forwards or spec.stats.tau == 1.0
     assert target.lean.layers[0].qkv_proj.bits == (4 if mode == "int4" else 8)
@@ -436,10 +424,10 @@ def test_tree_verify_on_the_native_stack_is_token_exact(dtype, one_thread):
     assert target.lean.native is not None
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9, 3, 17, 42])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    plain = SpeculativeEngine(target).generate(prompt, cfg)
+    plain = Engine(target).generate(prompt, cfg)
     draft = tiny_draft(target, block_size=5, dtype=dtype)
     tree = TreeProposer(DFlashProposer(draft, target), lookup=True, budget=10, top_k=3)
-    spec = SpeculativeEngine(target, tree).generate(prompt, cfg)
+    spec = Engine(target, tree).generate(prompt, cfg)
     assert spec.token_ids == plain.token_ids
     assert max(spec.stats.tree_nodes) > 1  # real trees were verified (branches beside the chain), not only chains
 

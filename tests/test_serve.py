@@ -364,9 +364,9 @@ def test_default_target_server(tmp_path):
 def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
     from conftest import ToyTokenizer, tiny_llama
 
-    from blockdraft.batch import BatchedEngine
+    from blockdraft.decode.engine import Engine
     from blockdraft.config import GenerationConfig, SamplingParams
-    from blockdraft.engine import SpeculativeEngine
+    from blockdraft.decode.engine import Engine
     from blockdraft.proposers import NoDraft
     from blockdraft.serve.scheduler import QueueFullError, Scheduler
     from blockdraft.target import TargetModel
@@ -380,7 +380,7 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
                 raise RuntimeError("draft exploded")
             return super().propose(tokens, num_draft, sampling, generator)
 
-    sched = Scheduler(BatchedEngine(target, proposer_factory=Flaky, max_batch=1), max_queue=1, step_delay=0.005)
+    sched = Scheduler(Engine(target, Flaky(), max_batch=1), max_queue=1, step_delay=0.005)
     sched.start()
     try:
         cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True, stop_strings=("zz9",))
@@ -393,7 +393,7 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
         sched.cancel(b)  # still queued: dropped at once
         assert b.wait(5).finish_reason == "cancelled"
         text = "".join(a)
-        solo = SpeculativeEngine(target).generate(prompts[0], cfg)
+        solo = Engine(target).generate(prompts[0], cfg)
         assert a.result.token_ids == solo.token_ids and text == solo.text
         boom["on"] = True  # an engine failure fails the requests in flight, not the worker
         c = sched.submit(prompts[1], cfg, SamplingParams())
@@ -401,7 +401,7 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
             c.wait(10)
         boom["on"] = False
         d = sched.submit(prompts[1], cfg, SamplingParams())
-        assert d.wait(10).token_ids == SpeculativeEngine(target).generate(prompts[1], cfg).token_ids
+        assert d.wait(10).token_ids == Engine(target).generate(prompts[1], cfg).token_ids
         m = sched.metrics()
         assert m["worker_alive"] and m["errors"] == 1 and m["cancelled"] == 1 and m["rejected"] == 1
     finally:

@@ -5,7 +5,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.draft import DFlashConfig, DFlashDraftModel
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.loading import encode_prompt, load_target, resolve_draft
 from blockdraft.proposers.dflash import DFlashProposer
 from conftest import seeded
@@ -33,9 +33,9 @@ def _drafts(target):
 
 def test_greedy_dflash_equals_plain_decoding_in_fp32(fp32_target):
     cfg = GenerationConfig(max_new_tokens=64)
-    plain = SpeculativeEngine(fp32_target)
+    plain = Engine(fp32_target)
     for name, draft in _drafts(fp32_target):
-        eng = SpeculativeEngine(fp32_target, DFlashProposer(draft, fp32_target))
+        eng = Engine(fp32_target, DFlashProposer(draft, fp32_target))
         for p in PROMPTS:
             ids = encode_prompt(fp32_target.tokenizer, p)
             assert eng.generate(ids, cfg).token_ids == plain.generate(ids, cfg).token_ids, (name, p)

@@ -7,7 +7,7 @@ import torch
 from blockdraft.calibrate import measure_verify_cost
 from blockdraft.config import GenerationConfig
 from blockdraft.draft import DFlashDraftModel
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def test_greedy_trees_equal_plain_decoding_in_fp32(fp32_target):
     engines = {"dflash-tree (budget 24)": build_tree_engine(fp32_target, None, budget=24, draft=draft),
                "dflash+lookup (auto)": build_tree_engine(fp32_target, None, lookup=True, verify_cost=cost,
                                                          draft=draft)}
-    plain = SpeculativeEngine(fp32_target)
+    plain = Engine(fp32_target)
     cfg = GenerationConfig(max_new_tokens=64)
     for p in PROMPTS:
         ids = encode_prompt(fp32_target.tokenizer, p)

@@ -7,7 +7,7 @@ import torch
 
 from blockdraft.cache import KVCache
 from blockdraft.config import GenerationConfig, SamplingParams
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.decode.engine import Engine
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.proposers.tree import TreeProposer
 from blockdraft.target import TargetCache, TargetModel
@@ -150,7 +150,7 @@ def test_tree_with_an_oracle_is_token_exact_and_accepts_its_whole_depth(target, 
     budget = 36 if lookup else 14
     draft = FakeDraft(_second_best_oracle(prompt.numel() + 1, ref[1:]), block_size=4)
     prop = TreeProposer(draft, lookup=lookup, budget=budget, top_k=2, lookup_depth=3)
-    res = SpeculativeEngine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    res = Engine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert res.token_ids == ref
     steps = res.stats.accept_lengths
     assert all(a == 4 for a in steps[:-1]), steps  # depth 3 + the bonus, every step
@@ -168,7 +168,7 @@ def test_draft_scale_is_measured_acceptance_over_predicted(llama_target):
     ref = naive_greedy(llama_target, prompt, N_NEW)
     draft = FakeDraft(_second_best_oracle(prompt.numel() + 1, ref[1:]), block_size=4)
     prop = TreeProposer(draft, budget=14, top_k=2)
-    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                   ignore_eos=True))
     assert res.token_ids == ref
     steps = res.stats.accept_lengths
@@ -192,7 +192,7 @@ def test_tree_is_token_exact_with_poor_drafts(target, draft, lookup):
     else:
         d = FakeDraft(_random_rows(7))
     prop = TreeProposer(d, lookup=lookup, budget=10, top_k=3)
-    res = SpeculativeEngine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    res = Engine(target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert res.token_ids == ref
     assert len(res.stats.accept_lengths) >= 5 and sum(res.stats.accept_lengths) + 1 == N_NEW
 
@@ -204,7 +204,7 @@ def test_tree_on_the_hf_path_and_with_a_chosen_budget_is_token_exact(one_thread)
     d = DFlashProposer(tiny_draft(hf_target, block_size=8), hf_target)
     cost = lambda w: 1.0 + 0.02 * w  # noqa: E731 - a flat-ish synthetic verify cost: wide trees are cheap
     prop = TreeProposer(d, lookup=True, verify_cost=cost, max_budget=20)
-    res = SpeculativeEngine(hf_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(hf_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                ignore_eos=True))
     assert res.token_ids == ref
     assert max(res.stats.tree_nodes) <= 20 and res.stats.tree["budget"] == "auto"
@@ -212,7 +212,7 @@ def test_tree_on_the_hf_path_and_with_a_chosen_budget_is_token_exact(one_thread)
 
 def test_tree_sampling_is_reproducible_with_a_seed(llama_target):
     prop = TreeProposer(DFlashProposer(tiny_draft(llama_target), llama_target), lookup=True, budget=12, top_k=3)
-    eng = SpeculativeEngine(llama_target, prop)
+    eng = Engine(llama_target, prop)
     s = SamplingParams(temperature=0.9, top_k=30, seed=11)
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     a, b = eng.generate(_prompt(9), cfg, s), eng.generate(_prompt(9), cfg, s)
@@ -228,7 +228,7 @@ def test_engine_rejects_a_malformed_tree(llama_target):
 
     prop = Bad(FakeDraft(_random_rows(0)), budget=5, top_k=2)
     with pytest.raises(MalformedTree, match="earlier node"):
-        SpeculativeEngine(llama_target, prop).generate(_prompt(), GenerationConfig(max_new_tokens=8))
+        Engine(llama_target, prop).generate(_prompt(), GenerationConfig(max_new_tokens=8))
     with pytest.raises(ValueError, match="budget"):
         TreeProposer(FakeDraft(_random_rows(0)))
 
@@ -302,7 +302,7 @@ def test_draft_is_skipped_when_a_lookup_branch_is_worth_more_than_it_costs(llama
     prompt = torch.tensor([3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14])
     ref = naive_greedy(llama_target, prompt, N_NEW)
     prop = TreeProposer(FakeDraft(slow_rows, block_size=4), lookup=True, verify_cost=lambda w: 1e-4 * (1 + w))
-    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                   ignore_eos=True))
     assert res.token_ids == ref
     skips, steps = res.stats.tree["draft_skips"], len(res.stats.accept_lengths)
@@ -339,7 +339,7 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
     assert VOCAB - 1 not in ref  # the draft's token is indeed never right
     prop = Logged(FakeDraft(wrong_rows, block_size=6), lookup=True, top_k=1,
                   verify_cost=lambda w: 1e-3 * (1 + 0.3 * w))
-    res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+    res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                   ignore_eos=True))
     assert res.token_ids == ref
     assert prop._measured is not None and prop._measured < 0.05
@@ -369,20 +369,20 @@ def test_lookup_only_steps_verify_the_first_branch_as_a_causal_chain(llama_targe
     assert tree.num_nodes == 1  # each token costs as much as a step: verify none (priced as a chain, not a tree)
 
     masks = []
-    forward = llama_target.forward
+    forward = llama_target.forward_rows
 
-    def logged(ids, cache, **kw):
-        masks.append(kw.get("tree_mask") is not None)
-        return forward(ids, cache, **kw)
+    def logged(ids, caches, **kw):
+        masks.extend(m is not None for m in (kw.get("tree_masks") or [None] * len(ids)))
+        return forward(ids, caches, **kw)
 
     prompt = torch.tensor([3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14, 60, 61, 3, 14])
     ref = naive_greedy(llama_target, prompt, N_NEW)
-    llama_target.forward = logged
+    llama_target.forward_rows = logged
     try:
         prop = TreeProposer(None, lookup=True, verify_cost=cheap_chain)
-        res = SpeculativeEngine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
+        res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                       ignore_eos=True))
     finally:
-        del llama_target.forward
+        del llama_target.forward_rows
     assert res.token_ids == ref
     assert len(masks) > 3 and not any(masks)  # every verify was a causal chain (the prefill passes no mask either)

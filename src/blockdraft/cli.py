@@ -163,7 +163,7 @@ def cmd_data(args) -> int:
     out = run_regeneration(target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            dtype=args.dtype, temperature=args.temperature, extra_jsonl=tuple(args.jsonl),
-                           num_threads=args.threads)
+                           num_threads=args.threads, weights=args.weights)
     print(json.dumps(out.get("summary", {}), default=str))
     return 0
 
@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     d.add_argument("--seed", type=int, default=0)
+    _weights_arg(d)
     d.set_defaults(func=cmd_data)
 
     k = sub.add_parser("pack", help="pack regenerated JSONL shards into a compact uint16 .npz")

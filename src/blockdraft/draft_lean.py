@@ -129,10 +129,10 @@ class LeanDraft:
         whole block -> final-normed hidden states [B, Q, H]. The block's keys/values are written after the context
         in `ctx` (capacity grows if needed) and its length is left as it was."""
         b, q_len, _ = block_embeds.shape
+        if self.native is not None and b == 1:
+            return self.forward_rows(block_embeds[0], block_positions[0], [ctx], [q_len])[None]
         x = block_embeds.to(self.dtype)
         ctx.reserve(ctx.length + q_len)
-        if self.native is not None and b == 1:
-            return self.native.forward(x[0], ctx.k, ctx.v, ctx.length, *self._cos_sin(block_positions))[None]
         cfg = self.config
         cos, sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -149,3 +149,21 @@ class LeanDraft:
             gu = layer.gate_up(_rms(x, layer.ln2, layer.eps))
             x = x + layer.down(F.silu(gu[..., :layer.inter]) * gu[..., layer.inter:])
         return _rms(x, self.final_norm, self.eps)
+
+    def forward_rows(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctxs: list[KVCache],
+                     counts: list[int]) -> torch.Tensor:
+        """Several sequences' blocks at once: block_embeds [S, H] stacked row by row (row i: counts[i] tokens at
+        block_positions [S], attending to its own context ctxs[i] and its own block) -> hidden states [S, H]. The
+        native stack reads each weight once for all the rows; the Python layers run row by row."""
+        assert block_embeds.shape[0] == block_positions.shape[0] == sum(counts) and len(ctxs) == len(counts)
+        x = block_embeds.to(self.dtype)
+        if self.native is None:
+            outs, o = [], 0
+            for ctx, c in zip(ctxs, counts):
+                outs.append(self.forward(x[None, o:o + c], block_positions[None, o:o + c], ctx)[0])
+                o += c
+            return torch.cat(outs)
+        for ctx, c in zip(ctxs, counts):
+            ctx.reserve(ctx.length + c)
+        return self.native.forward(x.contiguous(), [c.k for c in ctxs], [c.v for c in ctxs],
+                                   [c.length for c in ctxs], list(counts), *self._rope_rows(block_positions))

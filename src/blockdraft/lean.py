@@ -318,61 +318,91 @@ class LeanDecoder:
         return KVCache(len(self.layers), batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-                 tap: tuple[int, ...] = (), key_mask: torch.Tensor | None = None,
-                 tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [B, T] appended after cache.length -> (final-normed hidden [B, T, H], features [B, T, K*H] of the
-        tapped layers, in `tap` order, or None). The cache advances by T.
+                 tap: tuple[int, ...] = (), tree_mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, T] appended after cache.length -> (final-normed hidden [1, T, H], features [1, T, K*H] of the
+        tapped layers, in `tap` order, or None). The cache advances by T. positions [1, T] (default: the cache
+        slots'). tree_mask [T, T] bool (True = query i sees new token j) replaces causal order among the new tokens,
+        for a candidate tree (tree.py; `positions` then give each node's depth): every query still sees the whole
+        cache. One sequence of `forward_rows`."""
+        assert ids.dim() == 2 and ids.shape[0] == 1, f"ids must be [1, T], got {tuple(ids.shape)}"
+        hidden, feats = self.forward_rows([ids[0]], [cache], None if positions is None else [positions[0]],
+                                          [tree_mask], tap)
+        return hidden[None], (feats[None] if feats is not None else None)
 
-        key_mask [B, cache.length + T] bool (True = a real token) hides padding slots from every query, for batches
-        of left-padded rows (with `positions` counting real tokens only).
-        tree_mask [T, T] bool (True = query i sees new token j) replaces causal order among the new tokens, for a
-        candidate tree (tree.py; `positions` then give each node's depth): every query still sees the whole cache."""
-        assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
-        b, t = ids.shape
-        start = cache.length
+    def forward_rows(self, ids: list[torch.Tensor], caches: list[KVCache],
+                     positions: list[torch.Tensor] | None = None, tree_masks: list[torch.Tensor | None] | None = None,
+                     tap: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences at once: row i feeds ids[i] [T_i] after caches[i].length (at positions[i] [T_i],
+        default the cache slots'; tree_masks[i] [T_i, T_i] or None for causal order) -> (final-normed hidden
+        [S, H], features [S, K*H] or None), S = sum T_i, stacked row by row. Each cache advances by its T_i.
+        The projections and the MLP run over all rows together (each weight read once); every row attends over its
+        own cache."""
+        n = len(ids)
+        assert n >= 1 and len(caches) == n, "one cache per row"
+        counts = [int(x.shape[0]) for x in ids]
+        assert all(c >= 1 for c in counts), "every row needs at least one new token"
+        starts = [c.length for c in caches]
+        dev = ids[0].device
         if positions is None:
-            positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, t)
-        x = self.embed_tokens(ids)
-        total = start + t
-        cache.reserve(total)
-        if self.native is not None and b == 1 and key_mask is None:
-            if tree_mask is not None:
-                assert tree_mask.shape == (t, t), f"tree_mask must be [{t}, {t}]"
-            cos, sin = self._rope_rows(positions[0], x)
-            hidden, feats = self.native.forward(x[0], cache.k, cache.v, start, cos, sin, tree_mask, list(tap))
-            cache.length = total
-            return hidden[None], (feats[None] if tap else None)
-        cos, sin = self._rope(positions, x)
-        # new query i sits at slot start + i and sees slots 0 .. start + i (causal with an offset); q = 1 sees all
-        mask = None
-        if tree_mask is not None:
-            assert tree_mask.shape == (t, t) and key_mask is None, f"tree_mask must be [{t}, {t}] (no key_mask)"
-            mask = torch.cat([tree_mask.new_ones(t, start), tree_mask], dim=1)  # [T, total]
-        elif t > 1:
-            slots = torch.arange(total, device=ids.device)
-            mask = slots <= (start + torch.arange(t, device=ids.device)).unsqueeze(1)  # [T, total]
-        if key_mask is not None:
-            assert key_mask.shape == (b, total), f"key_mask must be [B, {total}], got {tuple(key_mask.shape)}"
-            km = key_mask[:, None, None, :]  # [B, 1, 1, total]
-            mask = km if mask is None else (mask[None, None] & km)
-        # a decode step: a padded batch from batchgen.py, or one row from GROUPED_MIN_KEYS keys on (below, the two
-        # measured alike, 0.95-1.07x within this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064:
-        # scripts/decode_attention_bench.py)
-        single = (t == 1 and tree_mask is None and self.grouped_single_query
-                  and (key_mask is not None or total >= GROUPED_MIN_KEYS))
+            positions = [torch.arange(s, s + c, device=dev) for s, c in zip(starts, counts)]
+        tree_masks = tree_masks if tree_masks is not None else [None] * n
+        for c, t, m in zip(caches, counts, tree_masks):
+            assert m is None or m.shape == (t, t), f"a row's tree_mask must be [{t}, {t}]"
+            c.reserve(c.length + t)
+        pos = torch.cat(positions) if n > 1 else positions[0]
+        x = self.embed_tokens(torch.cat(ids) if n > 1 else ids[0])  # [S, H]
+        if self.native is not None:
+            cos, sin = self._rope_rows(pos, x[None])
+            empty = torch.zeros(0, 0, dtype=torch.bool)
+            hidden, feats = self.native.forward(
+                x, [c.k for c in caches], [c.v for c in caches], starts, counts, cos, sin,
+                [empty if m is None else m for m in tree_masks], list(tap))
+            for c, t in zip(caches, counts):
+                c.length += t
+            return hidden, (feats if tap else None)
+        return self._rows_python(x[None], caches, starts, counts, pos, tree_masks, tap)
+
+    def _rows_python(self, x: torch.Tensor, caches: list[KVCache], starts: list[int], counts: list[int],
+                     pos: torch.Tensor, tree_masks: list, tap: tuple[int, ...]):
+        """`forward_rows` through the Python layers: x [1, S, H] embeddings, pos [S]."""
+        s_total = x.shape[1]
+        cos, sin = self._rope(pos[None], x)
+        masks, single = [], []
+        for start, t, m in zip(starts, counts, tree_masks):
+            total = start + t
+            # new query i sits at slot start + i and sees slots 0 .. start + i (causal with an offset); q = 1 sees
+            # all; a tree sees the whole cache and its row of the tree mask
+            if m is not None:
+                masks.append(torch.cat([m.new_ones(t, start), m], dim=1))
+            elif t > 1:
+                slots = torch.arange(total, device=x.device)
+                masks.append(slots <= (start + torch.arange(t, device=x.device)).unsqueeze(1))
+            else:
+                masks.append(None)
+            # a one-token step from GROUPED_MIN_KEYS keys on (below, the two measured alike, 0.95-1.07x within
+            # this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064: scripts/decode_attention_bench.py)
+            single.append(t == 1 and m is None and self.grouped_single_query and total >= GROUPED_MIN_KEYS)
         taps: dict[int, torch.Tensor] = {}
-        fast = self.compiled and t in self.compile_widths
+        fast = self.compiled and s_total in self.compile_widths
         qkv_fns, out_fns = (self._qkv, self._out) if fast else (self._qkv_eager, self._out_eager)
         for i in range(len(self.layers)):
-            q, k, v = qkv_fns[i](x, cos, sin)
-            keys, values = cache.write(i, k, v)  # [B, Hkv, total, D], the new positions included
-            if single:
-                attn = grouped_decode_attention(q, keys, values, mask)
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = out_fns[i](x, attn.transpose(1, 2).reshape(b, t, -1))
+            q, k, v = qkv_fns[i](x, cos, sin)  # [1, Hq, S, D], [1, Hkv, S, D]
+            atts, o = [], 0
+            for r, cache in enumerate(caches):
+                t = counts[r]
+                keys, values = cache.write(i, k[:, :, o:o + t], v[:, :, o:o + t])  # this row's cache, new included
+                qr = q[:, :, o:o + t]
+                if single[r]:
+                    atts.append(grouped_decode_attention(qr, keys, values))
+                else:
+                    atts.append(F.scaled_dot_product_attention(qr, keys, values, attn_mask=masks[r], enable_gqa=True))
+                o += t
+            attn = torch.cat(atts, dim=2) if len(atts) > 1 else atts[0]
+            x = out_fns[i](x, attn.transpose(1, 2).reshape(1, s_total, -1))
             if i in tap:
                 taps[i] = x
-        cache.length = total
-        feats = torch.cat([taps[i] for i in tap], dim=-1) if tap else None
-        return self.norm(x), feats
+        for c, t in zip(caches, counts):
+            c.length += t
+        feats = torch.cat([taps[i] for i in tap], dim=-1)[0] if tap else None
+        return self.norm(x)[0], feats

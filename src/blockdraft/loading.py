@@ -253,24 +253,24 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
 
 
 def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1,
-                 adaptive: bool = False, recalibrate: bool = False):
-    """A SpeculativeEngine for the target with the draft at draft_path (None: plain decoding). An EAGLE draft
-    (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps).
+                 adaptive: bool = False, recalibrate: bool = False, **engine_kw):
+    """An Engine (engine_kw: its batching settings) for the target with the draft at draft_path (None: plain
+    decoding). An EAGLE draft (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps).
     adaptive: a DFlash draft chooses per step how many tokens to draft (0 .. block_size - 1) from this target's
     verify-cost calibration (cached; measured now if there is none or if recalibrate), its own measured time and
     acceptance, so that drafting is skipped where it does not pay."""
     from .draft import DFlashDraftModel
     from .eagle import EagleDraftModel, is_eagle_draft
-    from .engine import SpeculativeEngine
+    from .decode.engine import Engine
     from .proposers.dflash import DFlashProposer
     from .proposers.eagle import EagleProposer
 
     if draft_path is None:
-        return SpeculativeEngine(target_model)
+        return Engine(target_model, **engine_kw)
     if is_eagle_draft(draft_path):
         draft = EagleDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
         gamma = block_size - 1 if block_size else None
-        return SpeculativeEngine(target_model, EagleProposer(draft, target_model, gamma))
+        return Engine(target_model, EagleProposer(draft, target_model, gamma), **engine_kw)
     draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
     cost = None
     if adaptive:
@@ -280,13 +280,14 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
         if proposer.layer_ids:
             target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it runs: features tapped
         cost = load_or_measure(target_model, refresh=recalibrate)
-    return SpeculativeEngine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps,
-                                                          verify_cost=cost))
+    return Engine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps, verify_cost=cost),
+                  **engine_kw)
 
 
 def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = False, budget: int | None = None,
-                      block_size: int | None = None, verify_cost=None, draft=None, recalibrate: bool = False):
-    """A SpeculativeEngine that verifies candidate trees: the DFlash draft's best branches
+                      block_size: int | None = None, verify_cost=None, draft=None, recalibrate: bool = False,
+                      **engine_kw):
+    """An Engine (engine_kw: its batching settings) that verifies candidate trees: the DFlash draft's best branches
     (`dflash-tree`), plus prompt-lookup continuations with lookup=True (`dflash+lookup`; without a draft: lookup
     branches only). budget: fixed candidate nodes per step; None: chosen per step from `verify_cost` (default: the
     cached calibration of this target, measured now if there is none or if recalibrate). draft: an already-loaded
@@ -294,7 +295,7 @@ def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = F
     from .calibrate import load_or_measure
     from .draft import DFlashDraftModel
     from .eagle import is_eagle_draft
-    from .engine import SpeculativeEngine
+    from .decode.engine import Engine
     from .proposers.dflash import DFlashProposer
     from .proposers.tree import TreeProposer
 
@@ -309,8 +310,8 @@ def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = F
         target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it will run: features tapped
     if budget is None and verify_cost is None:
         verify_cost = load_or_measure(target_model, refresh=recalibrate)
-    return SpeculativeEngine(target_model, TreeProposer(proposer, lookup=lookup, budget=budget,
-                                                        verify_cost=verify_cost))
+    return Engine(target_model, TreeProposer(proposer, lookup=lookup, budget=budget, verify_cost=verify_cost),
+                  **engine_kw)
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = True) -> list[int]:

@@ -111,29 +111,51 @@ inline void axpy_d(float w, const C* v, float* o, int64_t d) {
 // slot, or the cache plus the new tokens its row of a tree mask allows.
 enum class Seen { kAll, kCausal, kTree };
 
-// Attention of t new queries over one layer's cache: q rows at q + r * q_stride (n_q heads of D), keys / values
-// [Hkv, cap, D] at kb / vb holding start + t positions (the new ones included). att [t, n_q * D].
+// Attention of new queries over one layer's cache, for one or more sequences ("rows") at once. A row's queries sit
+// at q + r * q_stride (n_q heads of D); its keys / values [Hkv, cap, D] at kb / vb hold start + t positions (the new
+// ones included).
 // The exponentials run 8 keys at a time over the keys rounded up to 8 (padding and unseen keys score -inf and weigh
 // exactly 0); every sum over keys runs in slot order. So a query's numbers do not depend on the new tokens beside
-// it, nor, for a tree, on where its ancestors sit in the cache: a k-token verify, chain or tree, gives the bits of
-// one-token steps along each path.
+// it, on the other rows, nor, for a tree, on where its ancestors sit in the cache: a k-token verify, chain or tree,
+// alone or in a batch, gives the bits of one-token steps along each path.
 template <typename C>
-void attention(const float* q, int64_t q_stride, int64_t t, int64_t n_q, int64_t n_kv, int64_t d, const C* kb,
-               const C* vb, int64_t cap, int64_t start, Seen seen, const bool* tm, float* att) {
-  const int64_t total = start + t, group = n_q / n_kv, padded = (total + 7) / 8 * 8;
+struct AttnRow {
+  const float* q;     // [t, q_stride]: the row's first query head
+  const C* kb;        // [Hkv, cap, D]
+  const C* vb;
+  int64_t cap, start, t;
+  Seen seen;
+  const bool* tm;     // [t, t] when seen == kTree
+  float* att;         // [t, n_q * D]
+};
+
+template <typename C>
+void attention_rows(const std::vector<AttnRow<C>>& rows, int64_t q_stride, int64_t n_q, int64_t n_kv, int64_t d) {
+  const int64_t group = n_q / n_kv;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, n_q * t, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(padded);
+  // one job per (row, new query, head), numbered row by row, so every thread gets a share whatever the widths
+  std::vector<int64_t> first(rows.size() + 1, 0);
+  int64_t longest = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    first[i + 1] = first[i] + rows[i].t * n_q;
+    longest = std::max(longest, rows[i].start + rows[i].t);
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p((longest + 7) / 8 * 8);
+    size_t ri = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t hh = job % n_q, r = job / n_q, g = hh / group;
-      const float* qv = q + r * q_stride + hh * d;
-      const C* kh = kb + g * cap * d;
-      const C* vh = vb + g * cap * d;
-      const int64_t seen_end = seen == Seen::kCausal ? start + r + 1 : total;
+      while (job >= first[ri + 1]) ++ri;
+      const AttnRow<C>& R = rows[ri];
+      const int64_t local = job - first[ri], hh = local % n_q, r = local / n_q, g = hh / group;
+      const int64_t total = R.start + R.t, padded = (total + 7) / 8 * 8, start = R.start;
+      const float* qv = R.q + r * q_stride + hh * d;
+      const C* kh = R.kb + g * R.cap * d;
+      const C* vh = R.vb + g * R.cap * d;
+      const int64_t seen_end = R.seen == Seen::kCausal ? start + r + 1 : total;
       float mx = ninf;
       for (int64_t s = 0; s < padded; ++s) {
-        const bool ok = s < start || (s < seen_end && (seen != Seen::kTree || tm[r * t + (s - start)]));
+        const bool ok = s < start || (s < seen_end && (R.seen != Seen::kTree || R.tm[r * R.t + (s - start)]));
         p[s] = ok ? dot_d(qv, kh + s * d, d) * scale : ninf;
         mx = std::max(mx, p[s]);
       }
@@ -145,7 +167,7 @@ void attention(const float* q, int64_t q_stride, int64_t t, int64_t n_q, int64_t
       float sum = 0.f;
       for (int64_t s = 0; s < total; ++s) sum += p[s];
       const float inv = 1.f / sum;
-      float* o = att + r * n_q * d + hh * d;
+      float* o = R.att + r * n_q * d + hh * d;
       std::fill(o, o + d, 0.f);
       for (int64_t s = 0; s < total; ++s)
         if (p[s] != 0.f) axpy_d(p[s] * inv, vh + s * d, o, d);
@@ -164,20 +186,49 @@ inline void store_kv(const float* k, const float* v, int64_t n_kv, int64_t d, C*
     }
 }
 
-// The checks both stacks make on the caller's KVCache buffers [L, 1, Hkv, capacity, D] and RoPE rows [T, D]
-// before writing T new positions at start.
-inline void check_step(const torch::Tensor& kc, const torch::Tensor& vc, int64_t layers, int64_t n_kv, int64_t d,
-                       int64_t start, int64_t t, const torch::Tensor& cos, const torch::Tensor& sin) {
+// The checks both stacks make on a caller's KVCache buffers [L, 1, Hkv, capacity, D] before writing t new
+// positions at start.
+inline void check_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t layers, int64_t n_kv, int64_t d,
+                        int64_t start, int64_t t) {
   TORCH_CHECK(kc.dim() == 5 && kc.size(0) == layers && kc.size(1) == 1 && kc.size(2) == n_kv && kc.size(4) == d &&
                   kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
                   vc.scalar_type() == kc.scalar_type(),
               "caches must be contiguous [L, 1, Hkv, capacity, D]");
   TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16, "cache must be fp32 or bf16");
-  TORCH_CHECK(start >= 0 && start + t <= kc.size(3), "the cache has no room for ", t, " tokens after ", start);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.numel() == t * d && sin.numel() == t * d,
-              "cos / sin must be contiguous float32 [T, D]");
+  TORCH_CHECK(start >= 0 && t >= 1 && start + t <= kc.size(3), "the cache has no room for ", t, " tokens after ",
+              start);
 }
+
+// RoPE rows [S, D] float32 for S new tokens
+inline void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t s, int64_t d) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == s * d && sin.numel() == s * d,
+              "cos / sin must be contiguous float32 [S, D]");
+}
+
+// A batch of rows: row i has counts[i] new tokens (consecutive in the stacked inputs) written into its own cache
+// (kcs[i], vcs[i]) from slot starts[i] on. Every cache has one dtype.
+struct Rows {
+  std::vector<int64_t> offset;  // [rows + 1]: row i's tokens are offset[i] .. offset[i + 1] - 1
+  bool fp32 = false;
+
+  Rows(const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+       const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, int64_t layers, int64_t n_kv,
+       int64_t d, int64_t total) {
+    const size_t n = kcs.size();
+    TORCH_CHECK(n >= 1 && vcs.size() == n && starts.size() == n && counts.size() == n,
+                "one key cache, value cache, start and count per row");
+    offset.assign(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) {
+      check_cache(kcs[i], vcs[i], layers, n_kv, d, starts[i], counts[i]);
+      TORCH_CHECK(kcs[i].scalar_type() == kcs[0].scalar_type(), "every row's cache must have one dtype");
+      offset[i + 1] = offset[i] + counts[i];
+    }
+    TORCH_CHECK(offset[n] == total, "the rows' counts must add up to the stacked tokens (", total, ")");
+    fp32 = kcs[0].scalar_type() == at::kFloat;
+  }
+  size_t size() const { return offset.size() - 1; }
+};
 
 // The SiLU-gated MLP of t rows added into the residual stream x [t, H]: x += down(silu(gate(h)) * up(h)),
 // h = RMSNorm(x) with ln. hbuf [t, H], gu [t, 2I], act [t, I], tmp [t, H]: scratch.
@@ -213,27 +264,32 @@ class Decoder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [T, H] (the new tokens' embeddings) -> (final-normed hidden [T, H], features [T, len(tap) * H]) in x's
-  // dtype. kc / vc: the KVCache buffers [L, 1, Hkv, capacity, D], capacity >= start + T; the new keys and values
-  // are written at start .. start + T - 1. cos / sin [T, D] float32 for the new tokens' positions. tree [T, T] bool
-  // (true = new token i sees new token j) or None for causal order; every new token sees the whole cache.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc,
-                                                   int64_t start, torch::Tensor cos, torch::Tensor sin,
-                                                   c10::optional<torch::Tensor> tree, std::vector<int64_t> tap) {
+  // x [S, H]: the new tokens' embeddings of every row, stacked row by row -> (final-normed hidden [S, H],
+  // features [S, len(tap) * H]) in x's dtype. Row i: counts[i] new tokens, written into its KVCache buffers
+  // kcs[i] / vcs[i] [L, 1, Hkv, capacity, D] at slots starts[i] .. starts[i] + counts[i] - 1. cos / sin [S, D]
+  // float32 for the new tokens' positions. trees[i]: [counts[i], counts[i]] bool (true = new token r sees new
+  // token j), or an empty tensor for causal order; every new token sees its row's whole cache. The matmuls run over
+  // all rows at once (each weight read once per step); each row attends over its own cache.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, std::vector<torch::Tensor> kcs,
+                                                   std::vector<torch::Tensor> vcs, std::vector<int64_t> starts,
+                                                   std::vector<int64_t> counts, torch::Tensor cos, torch::Tensor sin,
+                                                   std::vector<torch::Tensor> trees, std::vector<int64_t> tap) {
     const int64_t t = x.size(0);
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [T, ", h_, "]");
-    check_step(kc, vc, num_layers(), nkv_, d_, start, t, cos, sin);
-    const bool* tm = nullptr;
-    torch::Tensor tree_c;
-    if (tree.has_value() && tree->defined()) {
-      tree_c = tree->to(torch::kBool).contiguous();
-      TORCH_CHECK(tree_c.dim() == 2 && tree_c.size(0) == t && tree_c.size(1) == t, "tree must be [T, T]");
-      tm = tree_c.data_ptr<bool>();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [S, ", h_, "]");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
+    const Rows rows(kcs, vcs, starts, counts, num_layers(), nkv_, d_, t);
+    check_rope(cos, sin, t, d_);
+    TORCH_CHECK(trees.size() == rows.size(), "one tree mask (or an empty tensor) per row");
+    std::vector<torch::Tensor> tree_c(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (trees[i].numel() == 0) continue;
+      tree_c[i] = trees[i].to(torch::kBool).contiguous();
+      TORCH_CHECK(tree_c[i].dim() == 2 && tree_c[i].size(0) == counts[i] && tree_c[i].size(1) == counts[i],
+                  "row ", i, ": its tree must be [T, T]");
     }
     for (int64_t i : tap) TORCH_CHECK(i >= 0 && i < num_layers(), "tap layer ", i, " out of range");
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
 
-    torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();  // the residual stream [T, H], a copy
+    torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();  // the residual stream [S, H], a copy
     torch::Tensor feats = torch::empty({t, static_cast<int64_t>(tap.size()) * h_}, torch::kFloat);
     std::vector<float> hbuf(t * h_), qkv(t * (nq_ + 2 * nkv_) * d_), att(t * nq_ * d_), tmp(t * h_),
         gu(t * 2 * inter_), act(t * inter_);
@@ -243,12 +299,12 @@ class Decoder {
       for (int64_t r = 0; r < t; ++r)
         rms_norm(xr + r * h_, L.ln_in.data_ptr<float>(), h_, L.eps_in, hbuf.data() + r * h_);
       L.qkv.apply(hbuf.data(), t, qkv.data());
-      if (kc.scalar_type() == at::kFloat)
-        attend<float>(li, t, start, qkv.data(), kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(3),
-                      cos.data_ptr<float>(), sin.data_ptr<float>(), tm, att.data());
+      if (rows.fp32)
+        attend<float>(li, rows, kcs, vcs, starts, qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(), tree_c,
+                      att.data());
       else
-        attend<at::BFloat16>(li, t, start, qkv.data(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
-                             kc.size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), tm, att.data());
+        attend<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             tree_c, att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
       mlp_residual(xr, t, h_, inter_, L.ln_post.data_ptr<float>(), L.eps_post, L.gate_up, L.down, hbuf.data(),
@@ -265,19 +321,29 @@ class Decoder {
   }
 
  private:
-  // RoPE on the new q / k rows, the new k / v into the cache, then attention of every new query over the cache
+  // RoPE on the new q / k rows, the new k / v into each row's cache, then attention of every new query over its
+  // row's cache
   template <typename C>
-  void attend(int64_t li, int64_t t, int64_t start, float* qkv, C* kc, C* vc, int64_t cap, const float* cs,
-              const float* sn, const bool* tm, float* att) const {
+  void attend(int64_t li, const Rows& rows, const std::vector<torch::Tensor>& kcs,
+              const std::vector<torch::Tensor>& vcs, const std::vector<int64_t>& starts, float* qkv, const float* cs,
+              const float* sn, const std::vector<torch::Tensor>& trees, float* att) const {
     const int64_t row = (nq_ + 2 * nkv_) * d_;
-    C* kb = kc + li * nkv_ * cap * d_;
-    C* vb = vc + li * nkv_ * cap * d_;
-    for (int64_t r = 0; r < t; ++r) {
-      float* q = qkv + r * row;
-      for (int64_t hh = 0; hh < nq_ + nkv_; ++hh) rope(q + hh * d_, cs + r * d_, sn + r * d_, d_);
-      store_kv(q + nq_ * d_, q + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, start + r);
+    std::vector<AttnRow<C>> jobs;
+    jobs.reserve(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
+      C* kb = kcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
+      C* vb = vcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
+      for (int64_t r = o; r < o + t; ++r) {
+        float* q = qkv + r * row;
+        for (int64_t hh = 0; hh < nq_ + nkv_; ++hh) rope(q + hh * d_, cs + r * d_, sn + r * d_, d_);
+        store_kv(q + nq_ * d_, q + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, starts[i] + (r - o));
+      }
+      const bool tree = trees[i].defined();
+      jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, tree ? Seen::kTree : Seen::kCausal,
+                                tree ? trees[i].data_ptr<bool>() : nullptr, att + o * nq_ * d_});
     }
-    attention(qkv, row, t, nq_, nkv_, d_, kb, vb, cap, start, tm ? Seen::kTree : Seen::kCausal, tm, att);
+    attention_rows(jobs, row, nq_, nkv_, d_);
   }
 
   int64_t h_, nq_, nkv_, d_, inter_;
@@ -328,7 +394,8 @@ class DraftStack {
   void context(torch::Tensor feats, torch::Tensor kc, torch::Tensor vc, int64_t start, torch::Tensor cos,
                torch::Tensor sin) {
     const int64_t c = feats.size(0);
-    check_step(kc, vc, num_layers(), nkv_, d_, start, c, cos, sin);
+    check_cache(kc, vc, num_layers(), nkv_, d_, start, c);
+    check_rope(cos, sin, c, d_);
     TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc_.k, "features must be [C, ", fc_.k, "]");
     TORCH_CHECK(ctx_kv_.n == 2 * num_layers() * nkv_ * d_ && ctx_kv_.k == h_, "context k/v shapes do not fit");
     const torch::Tensor f = feats.to(torch::kFloat).contiguous();
@@ -357,16 +424,19 @@ class DraftStack {
     }
   }
 
-  // x [Q, H] (the block's embeddings) -> final-normed hidden [Q, H] in x's dtype. The block's keys / values go
-  // into slots start .. start+Q-1 after the context (start = the context's length); every query sees all of them.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc, int64_t start, torch::Tensor cos,
+  // x [S, H]: the blocks' embeddings of every row, stacked -> final-normed hidden [S, H] in x's dtype. Row i's block
+  // (counts[i] tokens) puts its keys / values into slots starts[i] .. after its context (starts[i] = the context's
+  // length) in its own cache (kcs[i], vcs[i]); each of its queries sees its whole context and its whole block.
+  torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> kcs, std::vector<torch::Tensor> vcs,
+                        std::vector<int64_t> starts, std::vector<int64_t> counts, torch::Tensor cos,
                         torch::Tensor sin) {
     const int64_t t = x.size(0);
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [Q, ", h_, "]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == h_, "x must be [S, ", h_, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
-    check_step(kc, vc, num_layers(), nkv_, d_, start, t, cos, sin);
+    const Rows rows(kcs, vcs, starts, counts, num_layers(), nkv_, d_, t);
+    check_rope(cos, sin, t, d_);
     torch::Tensor res = x.to(torch::kFloat, false, true).contiguous();
-    const int64_t row = (nq_ + 2 * nkv_) * d_, cap = kc.size(3);
+    const int64_t row = (nq_ + 2 * nkv_) * d_;
     std::vector<float> hbuf(t * h_), qkv(t * row), att(t * nq_ * d_), tmp(t * h_), gu(t * 2 * inter_),
         act(t * inter_);
     float* xr = res.data_ptr<float>();
@@ -382,11 +452,10 @@ class DraftStack {
           rope(q + hh * d_, cos.data_ptr<float>() + r * d_, sin.data_ptr<float>() + r * d_, d_);
         }
       }
-      if (kc.scalar_type() == at::kFloat)
-        block_attention(li, t, start, qkv.data(), kc.data_ptr<float>(), vc.data_ptr<float>(), cap, att.data());
+      if (rows.fp32)
+        block_attention<float>(li, rows, kcs, vcs, starts, qkv.data(), att.data());
       else
-        block_attention(li, t, start, qkv.data(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), cap,
-                        att.data());
+        block_attention<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
       mlp_residual(xr, t, h_, inter_, L.ln2.data_ptr<float>(), L.eps, L.gate_up, L.down, hbuf.data(), gu.data(),
@@ -400,14 +469,22 @@ class DraftStack {
 
  private:
   template <typename C>
-  void block_attention(int64_t li, int64_t t, int64_t start, const float* qkv, C* kc, C* vc, int64_t cap,
+  void block_attention(int64_t li, const Rows& rows, const std::vector<torch::Tensor>& kcs,
+                       const std::vector<torch::Tensor>& vcs, const std::vector<int64_t>& starts, const float* qkv,
                        float* att) const {
     const int64_t row = (nq_ + 2 * nkv_) * d_;
-    C* kb = kc + li * nkv_ * cap * d_;
-    C* vb = vc + li * nkv_ * cap * d_;
-    for (int64_t r = 0; r < t; ++r)
-      store_kv(qkv + r * row + nq_ * d_, qkv + r * row + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, start + r);
-    attention(qkv, row, t, nq_, nkv_, d_, kb, vb, cap, start, Seen::kAll, nullptr, att);
+    std::vector<AttnRow<C>> jobs;
+    jobs.reserve(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
+      C* kb = kcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
+      C* vb = vcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
+      for (int64_t r = o; r < o + t; ++r)
+        store_kv(qkv + r * row + nq_ * d_, qkv + r * row + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap,
+                 starts[i] + (r - o));
+      jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, Seen::kAll, nullptr, att + o * nq_ * d_});
+    }
+    attention_rows(jobs, row, nq_, nkv_, d_);
   }
 
   int64_t h_, nq_, nkv_, d_, inter_;

@@ -264,7 +264,7 @@ def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, en
 
 def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
     """-> (target, target_name, tokenizer, engines, methods, block_sizes, draft_desc, external runners)."""
-    from ..engine import SpeculativeEngine
+    from ..decode.engine import Engine
     from ..loading import build_engine, load_target, resolve_draft
     from ..proposers.lookup import PromptLookupProposer
 
@@ -281,7 +281,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
     if "ar" not in methods:
         methods.insert(0, "ar")
         notes.append("`ar` added: it is the baseline of every ratio")
-    engines = {"ar": SpeculativeEngine(target, None, tok)}
+    engines = {"ar": Engine(target, None, tok)}
     block_sizes = {"ar": 1}
     draft_desc = None
     if "dflash" in methods:
@@ -297,7 +297,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
         else:  # an already-built DFlashDraftModel
             from ..proposers.dflash import DFlashProposer
 
-            eng = SpeculativeEngine(target, DFlashProposer(draft, target, cfg.block_size, cfg.denoise_steps), tok)
+            eng = Engine(target, DFlashProposer(draft, target, cfg.block_size, cfg.denoise_steps), tok)
             draft_desc = f"<{type(draft).__name__}>"
         if eng is None:
             methods.remove("dflash")
@@ -324,7 +324,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
     if "pld" in methods:
         prop = PromptLookupProposer(max_ngram=cfg.pld_max_ngram, num_pred=cfg.pld_num_pred,
                                     block_size=cfg.block_size or 16)
-        engines["pld"] = SpeculativeEngine(target, prop, tok)
+        engines["pld"] = Engine(target, prop, tok)
         block_sizes["pld"] = prop.block_size
     if "eagle" in methods:
         if cfg.eagle_draft is None:
@@ -335,7 +335,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             from ..proposers.eagle import EagleProposer
 
             ed = EagleDraftModel.from_pretrained(cfg.eagle_draft, dtype=target.dtype, device=target.device)
-            engines["eagle"] = SpeculativeEngine(target, EagleProposer(ed, target, cfg.gamma), tok)
+            engines["eagle"] = Engine(target, EagleProposer(ed, target, cfg.gamma), tok)
             block_sizes["eagle"] = cfg.gamma + 1
     if any(m in methods for m in ("ar-hf", "dflash-hf")):
         from ..target import TargetModel
@@ -346,7 +346,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
         # the same HF model and weights, decoded through the HF modules and their dynamic cache
         slow = TargetModel(target.hf, target.tokenizer, lean=False)
         if "ar-hf" in methods:
-            engines["ar-hf"] = SpeculativeEngine(slow, None, tok)
+            engines["ar-hf"] = Engine(slow, None, tok)
             block_sizes["ar-hf"] = 1
         if "dflash-hf" in methods and "dflash" not in engines:
             methods.remove("dflash-hf")
@@ -355,7 +355,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             prop = engines["dflash"].proposer
             from ..proposers.dflash import DFlashProposer
 
-            engines["dflash-hf"] = SpeculativeEngine(
+            engines["dflash-hf"] = Engine(
                 slow, DFlashProposer(prop.draft, slow, prop.block_size, prop.denoise_steps), tok)
             block_sizes["dflash-hf"] = block_sizes["dflash"]
     for m in ("hf", "hf-pld"):

@@ -16,14 +16,14 @@ from ..draft_lean import LeanDraft
 from ..lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
-from . import Proposal
+from . import Proposal, Proposer
 from .lookup import lookup_continuation
 
 
 ADAPT_EXPLORE_EVERY = 8  # with an adaptive width: steps without drafting before one full block is tried again
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     name = "dflash"
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
@@ -73,6 +73,14 @@ class DFlashProposer:
         if self.gate is not None and self.vocab_ids is not None:
             self._vocab_map = torch.full((target.vocab_size,), -1, dtype=torch.long, device=target.device)
             self._vocab_map[self.vocab_ids] = torch.arange(self.vocab_ids.numel(), device=target.device)
+
+    def fork(self) -> "DFlashProposer":
+        """Another sequence's proposer around the same draft: the fused weights (and the reduced head) are shared,
+        the context cache and acceptance rates are its own."""
+        other = DFlashProposer(self.draft, self.target, self.block_size, self.denoise_steps,
+                               lean=self.lean if self.lean is not None else False, verify_cost=self.verify_cost)
+        other._head = self._head
+        return other
 
     def _append_context(self, features: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
         """features [1, m, K*H] of the next m context positions; next_ids [m]: the tokens after them."""
@@ -147,13 +155,17 @@ class DFlashProposer:
             self._accepted[i] += i < a
         self._last_drafted = 0
 
-    @torch.no_grad()
     def _scores(self, tokens: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, Callable, Callable]:
         """tokens [n] committed, block [g+1] (anchor = tokens[-1], then MASK or fixed tokens) -> (scores [g, Vs]
         fp32, to_ids: column indices [...] -> target ids, to_vocab: [g, Vs] probabilities -> [g, V]). Vs = Vd, or
         Vd + 1 with a copy gate (its last column: a lookup candidate outside the draft vocabulary)."""
-        g = block.shape[0] - 1
-        hidden, logits = self._draft_logits(block, tokens.shape[0] - 1, with_hidden=True)
+        hidden = self._hidden(block, tokens.shape[0] - 1)
+        return self._score(tokens, hidden, self._head_logits(hidden))
+
+    def _score(self, tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor
+               ) -> tuple[torch.Tensor, Callable, Callable]:
+        """The draft's hidden states [g, H] and logits [g, Vd] of a block after tokens [n] -> `_scores`' triple."""
+        g = hidden.shape[0]
         logits = logits.float()
         vocab_ids, v = self.vocab_ids, self.target.vocab_size
         if self.gate is None:
@@ -172,31 +184,29 @@ class DFlashProposer:
         return (scores, (lambda i: gated_ids(i, copy, vocab_ids, vd)),
                 (lambda p: gated_probs_to_vocab(p, copy, vocab_ids, v)))
 
-    @torch.no_grad()
-    def _draft_logits(self, block: torch.Tensor, start: int, with_hidden: bool = False):
-        """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> logits [Q-1, Vd] for
-        positions 1..Q-1 of the block (row j predicts block[j+1]); Vd = V unless the draft vocabulary is reduced.
-        with_hidden: (the draft's final-normed hidden states [Q-1, H], logits)."""
+    def _hidden(self, block: torch.Tensor, start: int) -> torch.Tensor:
+        """block [Q] token ids (MASK where undecided) at positions start..start+Q-1 -> the draft's final-normed
+        hidden states [Q-1, H] at positions 1..Q-1 of the block (row j predicts block[j+1])."""
         pos = torch.arange(start, start + block.shape[0], device=block.device).unsqueeze(0)
         embeds = self.target.embed(block.unsqueeze(0))
         if self.lean is not None:
-            hidden = self.lean.forward(embeds, pos, self.ctx)[0, 1:].to(self.target.dtype)
-        else:
-            ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
-            vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
-            hidden = self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
+            return self.lean.forward(embeds, pos, self.ctx)[0, 1:].to(self.target.dtype)
+        ks = [self.ctx.view(i)[0] for i in range(self.ctx.num_layers)]
+        vs = [self.ctx.view(i)[1] for i in range(self.ctx.num_layers)]
+        return self.draft(embeds, pos, ks, vs)[0, 1:].to(self.target.dtype)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., Vd] (Vd = V unless the draft vocabulary is reduced)."""
         if (self.vocab_ids is None or getattr(self.target, "_softcap", None)
                 or getattr(self.target, "quantized_head", False)):  # the quantized head's rows, gathered once
-            logits = self.target.logits(hidden, self.vocab_ids)
-        else:
-            if self._head is None:
-                # gathering V' rows of the head at every step costs more than the product itself: do it once
-                lm = self.target.lm_head
-                bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
-                self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
-                                                                                             lm.weight.device))
-            logits = self._head(hidden)
-        return (hidden, logits) if with_hidden else logits
+            return self.target.logits(hidden, self.vocab_ids)
+        if self._head is None:
+            # gathering V' rows of the head at every step costs more than the product itself: do it once
+            lm = self.target.lm_head
+            bias = lm.bias[self.vocab_ids] if getattr(lm, "bias", None) is not None else None
+            self._head = Linear(lm.weight[self.vocab_ids], bias, packed_linear_available(lm.weight.dtype,
+                                                                                         lm.weight.device))
+        return self._head(hidden)
 
     @torch.no_grad()
     def distributions(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams) -> torch.Tensor:
@@ -217,18 +227,11 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        g = self.choose_width(min(num_draft, self.block_size - 1))
-        self.widths.append(g)
-        if g <= 0:
-            self._skip_run += 1
-            return Proposal(tokens.new_zeros(0), None)
-        self._skip_run = 0
         t0 = time.perf_counter()
-        n = tokens.shape[0]
-        self._flush(tokens)
-        assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
-        block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
-        block[0] = tokens[-1]
+        block = self._open(tokens, num_draft)
+        if block is None:
+            return Proposal(tokens.new_zeros(0), None)
+        g = block.shape[0] - 1
         out = torch.zeros(g, dtype=torch.long, device=tokens.device)
         q = None if sampling.greedy else torch.zeros(g, self.target.vocab_size, device=tokens.device)
         fixed = torch.zeros(g, dtype=torch.bool, device=tokens.device)
@@ -266,7 +269,76 @@ class DFlashProposer:
                 q[chosen] = probs[chosen]
             fixed[chosen] = True
             block[1:][chosen] = cand[chosen]
-        dt = time.perf_counter() - t0
-        self._draft_seconds = dt if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * dt
-        self._last_drafted = g
+        self._close(g, time.perf_counter() - t0)
         return Proposal(out, q)
+
+    def _open(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
+        """Start a proposal after tokens [n]: choose its width g, bring the draft's context up to date, and return
+        the block [g + 1] (the anchor, then MASK), or None when this step drafts nothing."""
+        g = self.choose_width(min(num_draft, self.block_size - 1))
+        self.widths.append(g)
+        if g <= 0:
+            self._skip_run += 1
+            return None
+        self._skip_run = 0
+        n = tokens.shape[0]
+        self._flush(tokens)
+        assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
+        block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[0] = tokens[-1]
+        return block
+
+    def _close(self, g: int, seconds: float) -> None:
+        self._draft_seconds = seconds if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * seconds
+        self._last_drafted = g
+
+    @classmethod
+    @torch.no_grad()
+    def propose_rows(cls, proposers: list["DFlashProposer"], tokens: list[torch.Tensor], num_drafts: list[int],
+                     samplings: list[SamplingParams], generators: list) -> list[Proposal]:
+        """One draft forward for every row whose proposer shares a `LeanDraft` and drafts in one pass (the
+        weights are read once for all the blocks; each block attends to its own row's context); rows that denoise
+        in several passes, or draft through the module, propose one by one. Each row gets what `propose` gives it
+        alone: the same operations on its block (the native stack's rows are computed independently)."""
+        out: list[Proposal | None] = [None] * len(proposers)
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(proposers):
+            if p.lean is None or p.denoise_steps > 1:
+                out[i] = p.propose(tokens[i], num_drafts[i], samplings[i], generators[i])
+            else:
+                groups.setdefault(id(p.lean), []).append(i)
+        for rows in groups.values():
+            t0 = time.perf_counter()
+            blocks = {i: proposers[i]._open(tokens[i], num_drafts[i]) for i in rows}
+            for i in rows:
+                if blocks[i] is None:
+                    out[i] = Proposal(tokens[i].new_zeros(0), None)
+            rows = [i for i in rows if blocks[i] is not None]
+            if not rows:
+                continue
+            first = proposers[rows[0]]
+            ids = torch.cat([blocks[i] for i in rows])
+            pos = torch.cat([torch.arange(tokens[i].shape[0] - 1, tokens[i].shape[0] - 1 + blocks[i].shape[0],
+                                          device=ids.device) for i in rows])
+            counts = [blocks[i].shape[0] for i in rows]
+            hidden = first.lean.forward_rows(first.target.embed(ids.unsqueeze(0))[0], pos,
+                                             [proposers[i].ctx for i in rows], counts)
+            # the anchors' rows predict nothing: drop them, then one head product for every row
+            keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+            keep[torch.tensor(counts, device=ids.device).cumsum(0) - torch.tensor(counts, device=ids.device)] = False
+            hidden = hidden[keep].to(first.target.dtype)
+            logits = first._head_logits(hidden)
+            o = 0
+            for i in rows:
+                p, g, smp = proposers[i], blocks[i].shape[0] - 1, samplings[i]
+                scores, to_ids, to_vocab = p._score(tokens[i], hidden[o:o + g], logits[o:o + g])
+                o += g
+                if smp.greedy:
+                    out[i] = Proposal(to_ids(scores.argmax(-1)), None)
+                else:
+                    probs = logits_to_probs(scores, smp)
+                    out[i] = Proposal(to_ids(sample(probs, generators[i])), to_vocab(probs))
+            dt = time.perf_counter() - t0
+            for i in rows:
+                proposers[i]._close(blocks[i].shape[0] - 1, dt)
+        return out

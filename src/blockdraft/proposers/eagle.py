@@ -19,10 +19,10 @@ from ..config import SamplingParams
 from ..eagle import EagleDraftModel
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
-from . import Proposal
+from . import Proposal, Proposer
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, draft: EagleDraftModel, target: TargetModel, gamma: int | None = None) -> None:
@@ -38,6 +38,9 @@ class EagleProposer:
         self.cache = KVCache(1, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512, dtype=draft.dtype,
                              device=target.device)
         self.pending: list[torch.Tensor] = []  # [1, t, 3H] true features of rows not yet in the cache
+
+    def fork(self) -> "EagleProposer":
+        return EagleProposer(self.draft, self.target, self.gamma)
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:

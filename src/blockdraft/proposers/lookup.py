@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..config import SamplingParams
-from . import Proposal
+from . import Proposal, Proposer
 
 
 def find_continuation(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
@@ -98,8 +98,8 @@ def find_continuations(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3
     return found
 
 
-class PromptLookupProposer:
-    """The Proposer protocol over n-gram lookup in the committed tokens (name "pld", no target features)."""
+class PromptLookupProposer(Proposer):
+    """A stateless proposer: n-gram lookup in the committed tokens (name "pld", no target features)."""
 
     name = "pld"
     layer_ids: tuple[int, ...] = ()

@@ -39,6 +39,7 @@ timings repeat (the output distribution is exact either way); a fixed `budget` m
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable
 
@@ -46,6 +47,7 @@ import torch
 
 from ..config import SamplingParams
 from ..tree import Tree, build_tree
+from . import TreeProposerBase
 from .dflash import DFlashProposer
 from .lookup import find_continuations
 
@@ -55,7 +57,7 @@ SCALE_PRIOR = 2.0  # the draft-confidence factor starts at 1, worth this many pr
 EXPLORE_EVERY = 8  # after this many draft skips in a row, run the draft once to measure its gain again
 
 
-class TreeProposer:
+class TreeProposer(TreeProposerBase):
     def __init__(self, draft: DFlashProposer | None, *, lookup: bool = False, budget: int | None = None,
                  top_k: int = 8, verify_cost: Callable[[int], float] | None = None, max_budget: int = MAX_BUDGET,
                  lookup_depth: int = 15, lookup_branches: int = 2, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -84,6 +86,14 @@ class TreeProposer:
         self._ngrams: list[int] = []  # the matched n-gram length of each lookup branch
         self._reset_rates()
         self.draft_skips = 0  # steps of the last generation that verified lookup branches without the draft
+
+    def fork(self) -> "TreeProposer":
+        """Another sequence's tree proposer: the same settings and draft weights, its own rates and draft state."""
+        other = copy.copy(self)
+        other.draft = self.draft.fork() if self.draft is not None else None
+        other._draft_s, other._lookups, other._ngrams = None, [], []
+        other._reset_rates()
+        return other
 
     def _reset_rates(self) -> None:
         # [matched n-gram length][0: a branch's first token, 1: the tokens after it]

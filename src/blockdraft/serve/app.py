@@ -41,6 +41,9 @@ from dataclasses import dataclass
 from .scheduler import QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
 from .schema import APIError, ParsedRequest, RequestParser
 
+SERVE_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld")
+DRAFT_MAX_BATCH = 0  # see --draft-max-batch
+
 log = logging.getLogger("blockdraft.serve")
 
 
@@ -82,7 +85,7 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
 
     parser = RequestParser(tokenizer, settings.model_name, settings.max_context, settings.max_tokens_cap,
                            settings.block_size, settings.vocab_size)
-    metrics = ServerMetrics(scheduler.queue_state)
+    metrics = ServerMetrics(scheduler.queue_state, lambda: scheduler.engine.plain_steps)
     # Requests are parsed (tokenized) off the event loop on ONE thread: the tokenizer is locked anyway, so more threads
     # add no throughput, and with anyio's pool of up to 40 threads the server's RSS crept up (scripts/soak.py on the
     # tiny test model: 466 -> 498 MB over 1000 requests; one thread: flat at 478 MB over 2100). Python objects were
@@ -326,7 +329,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one; printed at start)")
     p.add_argument("--api-key", default=os.environ.get("BLOCKDRAFT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $BLOCKDRAFT_API_KEY, else none)")
+    p.add_argument("--method", default="dflash", choices=SERVE_METHODS,
+                   help="how the draft proposes: dflash = one block per step; dflash-tree / dflash+lookup = candidate "
+                        "trees (with prompt-lookup branches), sized per step from this target's verify cost; pld = "
+                        "prompt lookup alone (no draft)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--draft-max-batch", type=int, default=DRAFT_MAX_BATCH,
+                   help="draft only while at most this many sequences are active; more verify plainly (a wide "
+                        "verify of many rows costs more than it commits on a CPU; 0: never limit)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond max-batch (then 429)")
     p.add_argument("--max-tokens-cap", type=int, default=512, help="upper bound on max_tokens per request")
     p.add_argument("--max-step-tokens", type=int, default=None,
@@ -360,8 +370,8 @@ def build_server(args):
     """Load the model and build (app, settings). Separate from serve_main so that tests and benchmarks can reuse it."""
     import torch
 
-    from ..batch import BatchedEngine
-    from ..loading import load_target, resolve_draft
+    from ..decode.engine import Engine
+    from ..loading import build_engine, build_tree_engine, load_target, resolve_draft
     from .scheduler import LockedTokenizer
 
     if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
@@ -374,23 +384,30 @@ def build_server(args):
     target, src = load_target(args.target, args.dtype, weights=args.weights)
     if target.tokenizer is None:
         raise ValueError("the server needs the target's tokenizer")
-    proposer, draft_name = None, "none"
-    if args.draft is not None and args.draft.lower() in ("pld", "lookup"):
+    tokenizer = LockedTokenizer(target.tokenizer)
+    kw = dict(tokenizer=tokenizer, max_batch=args.max_batch, max_step_tokens=getattr(args, "max_step_tokens", None),
+              draft_max_batch=getattr(args, "draft_max_batch", 0) or None)
+    method = getattr(args, "method", "dflash")
+    if method not in SERVE_METHODS:
+        raise ValueError(f"--method must be one of {', '.join(SERVE_METHODS)}, got {method!r}")
+    draft_path = None
+    if args.draft is not None and args.draft.lower() in ("pld", "lookup"):  # prompt lookup needs no draft
+        method = "pld"
+    elif method != "pld":
+        draft_path = resolve_draft(args.draft, src.name)
+    if method == "pld":
         from ..proposers.lookup import PromptLookupProposer
 
-        proposer, draft_name = PromptLookupProposer(block_size=args.block_size or 16), "pld"
+        engine, draft_name = Engine(target, PromptLookupProposer(block_size=args.block_size or 16), **kw), "pld"
+    elif draft_path is None:
+        engine, draft_name = Engine(target, None, **kw), "none"
+    elif method == "dflash":
+        engine = build_engine(target, draft_path, args.block_size, args.denoise_steps, **kw)
+        draft_name = draft_path.name
     else:
-        draft_path = resolve_draft(args.draft, src.name)
-        if draft_path is not None:
-            from ..draft import DFlashDraftModel
-            from ..proposers.dflash import DFlashProposer
-
-            draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target.dtype, device=target.device)
-            proposer = DFlashProposer(draft, target, args.block_size, args.denoise_steps)
-            draft_name = draft_path.name
-    tokenizer = LockedTokenizer(target.tokenizer)
-    engine = BatchedEngine(target, proposer, tokenizer, max_batch=args.max_batch,
-                           max_step_tokens=getattr(args, "max_step_tokens", None))
+        engine = build_tree_engine(target, draft_path, lookup=method == "dflash+lookup", block_size=args.block_size,
+                                   **kw)
+        draft_name = f"{draft_path.name} ({method})"
     scheduler = Scheduler(engine, max_queue=args.max_queue, step_delay=args.debug_step_delay)
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
                               vocab_size=target.vocab_size, api_key=args.api_key,

@@ -13,6 +13,8 @@ alerts written for vLLM or SGLang carry over with a prefix change:
   blockdraft:spec_decode_num_draft_tokens_total          draft tokens verified
   blockdraft:spec_decode_num_accepted_tokens_total       draft tokens accepted
   blockdraft:spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position 0, 1, ...
+  blockdraft:spec_decode_plain_steps_total               engine steps that verified without drafting because more
+                                                         rows were active than --draft-max-batch
 Acceptance rate = accepted / draft tokens; mean accepted length (tau) = 1 + accepted / drafts.
 
 Generation figures are recorded once per request when it ends (from its DecodeStats, in the scheduler's thread), so
@@ -39,7 +41,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_state) -> None:
+    def __init__(self, queue_state, plain_steps=None) -> None:
+        """plain_steps: () -> the engine's count of steps that did not draft (read at scrape time)."""
         r = self.registry = CollectorRegistry()
 
         def name(s: str) -> str:
@@ -55,6 +58,9 @@ class ServerMetrics:
               registry=r).set_function(lambda: queue_state()[0])
         Gauge(name("num_requests_waiting"), "Requests queued for a free row",
               registry=r).set_function(lambda: queue_state()[1])
+        if plain_steps is not None:
+            Gauge(name("spec_decode_plain_steps_total"), "Engine steps that verified without drafting (batch over "
+                  "--draft-max-batch)", registry=r).set_function(plain_steps)
         self.ttft = Histogram(name("time_to_first_token_seconds"), "Arrival to first text delta (queue included)",
                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(name("time_per_output_token_seconds"), "Mean time per output token after the first",

@@ -1,4 +1,4 @@
-"""The request scheduler: a bounded queue in front of one background worker thread that owns the BatchedEngine.
+"""The request scheduler: a bounded queue in front of one background worker thread that owns the Engine.
 
 Threads: any number of submitters (the HTTP event loop, test threads) call `submit` / `cancel`; ONE worker thread
 moves queued requests into the engine while it has free rows, calls `engine.step()` and routes each row's text
@@ -22,9 +22,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..batch import BatchedEngine
+from ..decode.engine import Engine
 from ..config import GenerationConfig, SamplingParams
-from ..engine import GenerationResult
+from ..decode.engine import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,11 @@ class RequestHandle:
 
 
 class Scheduler:
-    """Owns `engine` (a BatchedEngine) through one worker thread. `step_delay` (seconds, testing aid) sleeps after
+    """Owns `engine` (an Engine) through one worker thread. `step_delay` (seconds, testing aid) sleeps after
     every engine step so that tests can hold requests in flight. `on_finish(handle)` is called exactly once per
     submitted request when it ends (done, cancelled or failed), from whichever thread ended it."""
 
-    def __init__(self, engine: BatchedEngine, max_queue: int = 16, step_delay: float = 0.0, on_finish=None) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 16, step_delay: float = 0.0, on_finish=None) -> None:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine = engine
@@ -230,8 +230,9 @@ class Scheduler:
             return {
                 "active": len(self._running), "queued": len(self._inbox), "max_batch": self.max_batch,
                 "max_queue": self.max_queue, "engine_rows": eng.num_active, "engine_pending": eng.num_pending,
-                "cache_slots": eng.cache_slots, "steps": eng.steps, "batched_forwards": eng.batched_forwards,
-                "compactions": eng.compactions, "worker_alive": self.alive,
+                "cache_positions": eng.cache_positions, "steps": eng.steps,
+                "batched_forwards": eng.batched_forwards, "plain_steps": eng.plain_steps,
+                "method": eng.name, "draft_max_batch": eng.draft_max_batch or 0, "worker_alive": self.alive,
                 **{k: self.counters[k] for k in ("submitted", "completed", "cancelled", "rejected", "errors",
                                                  "completion_tokens")},
             }
@@ -298,7 +299,7 @@ class Scheduler:
 
 
 def _empty_stats(handle: RequestHandle):
-    from ..engine import DecodeStats
+    from ..decode.engine import DecodeStats
 
     return DecodeStats(prompt_tokens=len(handle.prompt_ids))
 

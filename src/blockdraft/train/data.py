@@ -401,27 +401,29 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
                temperature: float = 0.0, batch_size: int = 8, max_prompt_tokens: int = 512, shard_size: int = 1000,
                seed: int = 0, max_batches: int | None = None,
                on_batch: Callable[[list[dict]], None] | None = None, progress: bool = True,
-               progress_interval: float = 1.0, lean: bool = True) -> RegenReport:
+               progress_interval: float = 1.0, lean: bool = True, weights=None) -> RegenReport:
     """Answer every prompt with the target and append {id, input_ids, loss_mask} records to
     `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after each batch).
 
     Resumable: records already in `out_dir` are kept and their ids skipped; a partially written last line is
     truncated. The batch plan depends only on `prompts` (length-sorted within windows), and a batch that is only
     partly done is regenerated whole with only the missing records written, so an interrupted-then-resumed run
-    writes exactly the records of an uninterrupted one. Prompts over `max_prompt_tokens` are skipped (counted).
-    `max_batches` stops after that many generated batches; `on_batch(records)` is called after each write.
-    lean: generate on the lean batched path (`batchgen.py`) when the model's architecture has one.
+    writes exactly the records of an uninterrupted one (sampling draws from a generator seeded per prompt).
+    Prompts over `max_prompt_tokens` are skipped (counted). `max_batches` stops after that many generated batches;
+    `on_batch(records)` is called after each write. The answers come from the decode engine, a batch of
+    `batch_size` rows per call (plain decoding); lean: on the target's fused path where its architecture has one;
+    weights: the `quant.WeightPlan` that path holds (None: float weights).
     """
-    import torch
-
-    from ..batchgen import generate_batch
-    from ..lean import LeanDecoder
+    from ..config import GenerationConfig, SamplingParams
+    from ..decode.engine import Engine
     from ..target import TargetModel
 
     t0 = time.perf_counter()
     rep = RegenReport(total=len(prompts))
     if len({p.id for p in prompts}) != len(prompts):
         raise ValueError("prompt ids must be unique")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     writer = _ShardWriter(Path(out_dir), shard_size)
     rep.truncated_bytes = writer.truncated_bytes
     todo_ids, tok = [], []
@@ -436,17 +438,9 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     rep.already_done = sum(1 for pid in todo_ids if pid in writer.done)
     remaining = len(todo_ids) - rep.already_done
     eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    device = next(model.parameters()).device
-    # the lean batched path where the architecture has one (~4x the tokens/s of model.generate on CPU), else HF's
-    lean_target = None
-    if lean and LeanDecoder.supports(model) is None:
-        lean_target = TargetModel(model, tokenizer)
-    gen_kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None)
-    if temperature > 0:
-        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
-    else:
-        gen_kwargs.update(do_sample=False)
+    engine = Engine(TargetModel(model, tokenizer, lean=lean, weights=weights), None, tokenizer,
+                    max_batch=max(1, batch_size))
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos), ignore_eos=True)
 
     bar = None
     if progress and remaining:
@@ -462,21 +456,9 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
             if max_batches is not None and rep.batches >= max_batches:
                 rep.stopped_early = True
                 break
-            if temperature > 0:
-                torch.manual_seed(seed * 1_000_003 + b)
-            if lean_target is not None:
-                out = generate_batch(lean_target, [tok[i] for i in batch], max_new_tokens, eos, temperature)
-            else:
-                width = max(len(tok[i]) for i in batch)
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                attn = torch.zeros((len(batch), width), dtype=torch.long)
-                for r, i in enumerate(batch):
-                    input_ids[r, width - len(tok[i]):] = torch.tensor(tok[i])
-                    attn[r, width - len(tok[i]):] = 1
-                with torch.inference_mode():
-                    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
-                                         **gen_kwargs)
-                out = out[:, width:].tolist()
+            # a prompt's draws depend on the run's seed and its own index only, not on its batch's other rows
+            sampling = [SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i) for i in batch]
+            out = [r.token_ids for r in engine.run([(tok[i], config, sampling[k]) for k, i in enumerate(batch)])]
             records = []
             for r, i in enumerate(batch):
                 if todo_ids[i] in writer.done:
@@ -584,7 +566,7 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
                      max_prompt_tokens: int = 512, temperature: float = 0.0, shard_size: int = 1000,
                      num_threads: int | None = None, extra_jsonl: Sequence[str | Path] = (),
                      heldout: bool = True, max_batches: int | None = None, progress_interval: float = 30.0,
-                     only_task: str | None = None) -> dict:
+                     only_task: str | None = None, weights: str = "auto") -> dict:
     """Build the training prompt set (`select_regeneration_prompts`) and regenerate its answers with the target.
     Re-running with the same arguments continues where the last run stopped.
 
@@ -597,6 +579,7 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     import torch
 
     from blockdraft.loading import load_hf_target
+    from blockdraft.quant import plan_weights
 
     if only_task not in (None, "sharegpt", "gsm", "jsonl"):
         raise ValueError(f"only_task must be sharegpt, gsm or jsonl, got {only_task!r}")
@@ -606,9 +589,11 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     out_dir.mkdir(parents=True, exist_ok=True)
     args = dict(target=target, n_sharegpt=n_sharegpt, n_gsm=n_gsm, max_new_tokens=max_new_tokens,
                 heldout_fraction=heldout_fraction, seed=seed, dtype=dtype, max_prompt_tokens=max_prompt_tokens,
-                temperature=temperature, extra_jsonl=[str(p) for p in extra_jsonl])
+                temperature=temperature, extra_jsonl=[str(p) for p in extra_jsonl], weights=weights)
 
-    model, tokenizer, _src = load_hf_target(target, dtype=dtype)
+    model, tokenizer, src = load_hf_target(target, dtype=dtype)
+    # the answers come from the target as the engine runs it: 'auto' keeps a GGUF target's own quantization
+    plan = plan_weights(weights, model, Path(src.path) / src.gguf_file if src.gguf_file else None)
     train, held, rep = select_regeneration_prompts(tokenizer, n_sharegpt, n_gsm, heldout_fraction, seed,
                                                    max_prompt_tokens, extra_jsonl, heldout)
     _write_prompts_checked(train, out_dir / "prompts-train.jsonl")
@@ -621,7 +606,7 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
 
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
               max_prompt_tokens=max_prompt_tokens, shard_size=shard_size, seed=seed,
-              progress_interval=progress_interval)
+              progress_interval=progress_interval, weights=plan)
     if only_task is not None:
         train = pending_of_task(train, only_task, out_dir / "shards")
     results = {}

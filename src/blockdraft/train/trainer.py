@@ -260,7 +260,7 @@ class _StopFlag:
 def evaluate_tau(target: TargetModel, draft: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Greedy decode held-out prompts with the real engine and the current draft -> mean tau."""
     from ..config import GenerationConfig
-    from ..engine import SpeculativeEngine
+    from ..decode.engine import Engine
     from ..proposers.dflash import DFlashProposer
 
     if not prompts:
@@ -269,11 +269,11 @@ def evaluate_tau(target: TargetModel, draft: DFlashDraftModel, prompts: list[lis
     d.load_state_dict(draft.state_dict())
     d = d.to(target.dtype).eval()
     if isinstance(d, DFlashDraftModel):
-        eng = SpeculativeEngine(target, DFlashProposer(d, target))
+        eng = Engine(target, DFlashProposer(d, target))
     else:
         from ..proposers.eagle import EagleProposer
 
-        eng = SpeculativeEngine(target, EagleProposer(d, target))
+        eng = Engine(target, EagleProposer(d, target))
     steps = committed = 0
     for p in prompts:
         res = eng.generate(p, GenerationConfig(max_new_tokens=max_new_tokens))

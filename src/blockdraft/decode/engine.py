@@ -1,0 +1,603 @@
+"""The decode engine: one step function for every caller (generate, chat, serve, bench, regeneration).
+
+An `Engine` decodes up to `max_batch` sequences ("rows") at once; rows join and leave between steps, and a single
+generation (`generate`, `stream`) is a batch of one through the same `step`. One step:
+1. rows marked cancelled are dropped;
+2. waiting rows are admitted while there is room: each is prefilled on its own cache (in chunks of `prefill_chunk`
+   tokens), picks its first token and starts its proposer;
+3. every row proposes: a chain of up to G_i drafts, or a candidate tree (its own width); rows whose proposers share
+   a batched forward (the DFlash draft) draft in one call (`Proposer.propose_rows`);
+4. ONE target forward verifies every row (`TargetModel.forward_rows`): the projections and the MLP read each weight
+   once for all rows, each row attends over its own cache;
+5. each row is verified on its own (greedy or rejection sampling with its own seeded generator, chain or tree),
+   commits a_i + 1 tokens, crops (chain) or compacts (tree) its cache, and is checked for stops (EOS, stop ids,
+   stop strings, max tokens), streaming only text that can no longer become a stop string.
+
+Invariant at the top of every step, per row (n = committed tokens, prompt included): its cache holds n-1 positions
+(the last committed token t is not in it yet) and a feature-conditioned proposer holds context for the same n-1.
+A chain step feeds [t, d_1..d_G] at positions n-1..n-1+G, commits a+1 tokens and crops the cache to n+a; a tree step
+feeds every node at position n-1+depth and keeps the accepted path's keys/values at n-1..n-1+a. With no proposer
+(G = 0) the same step is plain autoregressive decoding, the fair baseline.
+
+Each row has its own preallocated cache, so rows of any lengths share a step without padding or holes, and a row
+leaving costs nothing. On the native stack a row's numbers do not depend on the other rows (every output row gets
+the same float operations whatever the batch), so a batched row is its solo run bit for bit; the tests check
+batched == solo == naive, token for token, in fp32 on tiny random models.
+
+Large batches: drafting multiplies the tokens each step verifies, and on a CPU a verify of many rows is bound by
+compute, not by reading the weights, so past some batch size drafting costs more than it commits. `draft_max_batch`
+turns drafting off (every row verifies its last token alone, its proposer's context still kept up to date) while
+more rows than that are active; `max_step_tokens` instead shares a budget of verified positions among the rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Iterator
+
+import torch
+
+from ..config import GenerationConfig, SamplingParams
+from ..proposers import NoDraft, Proposal, Proposer
+from ..sampling import logits_to_probs, make_generator, sample
+from ..target import TargetModel
+from ..tree import ancestor_mask, check_tree
+from ..verify import greedy_verify, rejection_verify
+from ..verify_tree import greedy_verify_tree, rejection_verify_tree
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations a long prompt needs at once
+
+
+@dataclass
+class DecodeStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step (a + 1)
+    position_accepted: list[int] = field(default_factory=list)  # [B-1] times draft position i was accepted
+    position_trials: list[int] = field(default_factory=list)  # [B-1] times draft position i was verified
+    target_forwards: int = 0  # prefill included
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0  # a batched draft forward's wall time counts for every row in it
+    verify_seconds: float = 0.0  # likewise the batched target forward's
+    total_seconds: float = 0.0
+    tree_nodes: list[int] = field(default_factory=list)  # tree methods: candidate nodes verified per step
+    tree: dict | None = None  # tree methods: the proposer's settings (budget, calibration)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step (accepted drafts + the bonus/recovered token)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.total_seconds - self.prefill_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens committed by verify steps per second of decoding (prefill and its first token excluded)."""
+        s = self.decode_seconds
+        return sum(self.accept_lengths) / s if s > 0 else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        while len(self.position_trials) < num_drafted:
+            self.position_trials.append(0)
+            self.position_accepted.append(0)
+        for i in range(num_drafted):
+            self.position_trials[i] += 1
+            if i < num_accepted:
+                self.position_accepted[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "tau": self.tau,
+            "accept_lengths": self.accept_lengths, "position_accepted": self.position_accepted,
+            "position_trials": self.position_trials, "target_forwards": self.target_forwards,
+            "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds, "total_seconds": self.total_seconds,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            **({"tree_nodes": self.tree_nodes, "tree": self.tree} if self.tree is not None else {}),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens, a stop token included when one ended generation
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: DecodeStats
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one row. A row may get two events in one step (its prefill token, then a verify).
+
+    text: the new text delta (empty when held back, or when the row was added with text=False);
+    num_tokens: the row's committed new-token count so far (after stop truncation);
+    finished: the row is done; `result` then holds its GenerationResult (finish_reason "stop", "length" or
+    "cancelled"), and this is the row's last event.
+    """
+
+    request_id: Hashable
+    text: str
+    num_tokens: int
+    finished: bool = False
+    result: GenerationResult | None = None
+
+
+class Generation:
+    """Iterator over text deltas of one generation; `.result` is set once it is exhausted."""
+
+    def __init__(self, it: Iterator[str]) -> None:
+        self._it = it
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop early: the generation's row is dropped and the engine is free for the next one."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+def stop_text_cut(text: str, stop_strings) -> int:
+    """Index where the earliest stop string starts in `text` (len(text) if none occurs)."""
+    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(cuts) if cuts else len(text)
+
+
+def tokens_through_stop(decode, new: list[int], start: int, stop_strings) -> int | None:
+    """If decode(new) contains a stop string, how many tokens of `new` are needed to reach its end (None if no
+    stop string occurs). `start` = tokens already scanned in earlier steps (a stop can straddle the boundary)."""
+    full = decode(new)
+    cut = stop_text_cut(full, stop_strings)
+    if cut == len(full):
+        return None
+    end = next(cut + len(s) for s in stop_strings if full.find(s) == cut)
+    for k in range(max(1, start - 8), len(new) + 1):
+        if len(decode(new[:k])) >= end:
+            return k
+    return len(new)
+
+
+def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
+    """Validate prompt token ids for `target` -> [n] int64 on its device (a clear ValueError otherwise)."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+        raise ValueError(f"prompt has token ids outside the target's vocabulary (0..{target.vocab_size - 1})")
+    if ids.numel() >= target.max_context:
+        raise ValueError(f"prompt has {ids.numel()} tokens but the target's context is {target.max_context}"
+                         " tokens (at least one must remain for the answer)")
+    return ids
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """logits [V] -> one token (argmax, or a draw from the processed distribution)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, sampling), generator)
+
+
+class Sequence:
+    """One row: its committed tokens, cache, proposer, generator, stop and streaming bookkeeping, statistics."""
+
+    def __init__(self, rid: Hashable, prompt: torch.Tensor, config: GenerationConfig, sampling: SamplingParams,
+                 text: bool, proposer: Proposer, stops: set[int], decode) -> None:
+        self.rid, self.prompt, self.config, self.sampling, self.text = rid, prompt, config, sampling, text
+        self.proposer = proposer
+        self.block = config.block_size or proposer.block_size
+        self.stops = stops
+        self._decode = decode
+        self.hold = max((len(s) for s in config.stop_strings), default=0)
+        self.generator: torch.Generator | None = None
+        self.cache = None  # the target cache, made at admission
+        self.tokens = prompt  # committed tokens, prompt included
+        self.produced = 0  # tokens committed by the decode loop (before stop truncation)
+        self.new: list[int] = []  # new tokens after stop truncation
+        self.emitted = 0  # characters of text already streamed
+        self.finish = "length"
+        self.cancelled = False
+        self.done = False
+        self.stats = DecodeStats(prompt_tokens=prompt.numel())
+        self.t0 = 0.0
+
+    def push(self, chunk: list[int]) -> tuple[str, bool]:
+        """Add newly committed tokens; return (text delta, whether the row is finished). Text is held back while
+        it could still become a stop string or ends in an incomplete UTF-8 sequence."""
+        cfg, new = self.config, self.new
+        start = len(new)
+        new.extend(chunk)
+        del new[cfg.max_new_tokens:]
+        hit = next((i for i in range(start, len(new)) if new[i] in self.stops), None)
+        if hit is not None:
+            del new[hit + 1:]
+            self.finish = "stop"
+        if cfg.stop_strings:
+            cut = tokens_through_stop(self._decode, new, start, cfg.stop_strings)
+            if cut is not None:
+                del new[cut:]
+                self.finish = "stop"
+        done = self.finish == "stop" or len(new) >= cfg.max_new_tokens
+        delta = ""
+        if self.text:
+            full = self._decode(new)
+            safe = len(full) if done else len(full) - self.hold
+            while safe > self.emitted and full[safe - 1] == "\ufffd":  # an incomplete multi-byte character
+                safe -= 1
+            if cfg.stop_strings and self.finish == "stop":
+                safe = min(safe, stop_text_cut(full, cfg.stop_strings))
+            if safe > self.emitted:
+                delta = full[self.emitted:safe]
+                self.emitted = safe
+        return delta, done
+
+    def finalize(self) -> tuple[str, GenerationResult]:
+        """The last text delta and the result."""
+        self.stats.new_tokens = len(self.new)
+        self.stats.total_seconds = time.perf_counter() - self.t0 if self.t0 else 0.0
+        if self.proposer.proposes_trees:
+            self.stats.tree = self.proposer.describe()
+        full = self._decode(self.new)
+        if self.config.stop_strings:
+            full = full[: stop_text_cut(full, self.config.stop_strings)]
+        delta = full[self.emitted:] if self.text and len(full) > self.emitted else ""
+        self.emitted = max(self.emitted, len(full))
+        finish = "cancelled" if self.cancelled else self.finish
+        self.cache = None  # its memory goes as soon as the row is done
+        return delta, GenerationResult(token_ids=list(self.new), text=full, finish_reason=finish, stats=self.stats)
+
+
+@dataclass
+class _Plan:
+    """One row's part of a step: what it feeds the target and how to verify it."""
+
+    row: Sequence
+    ids: torch.Tensor  # [W] the last committed token, then the candidates
+    positions: torch.Tensor | None  # [W], None = consecutive after the cache
+    tree_mask: torch.Tensor | None  # [W, W] for a tree that is not a chain
+    proposal: Proposal | None = None  # a chain
+    tree: object | None = None  # a tree.Tree
+
+
+class Engine:
+    """Speculative decoding of many sequences with one target and one proposer (None: plain decoding). Not
+    thread-safe: one thread owns it and calls `step` (the server's worker does); `cancel` only sets a flag and may
+    be called from anywhere.
+
+    max_batch: rows decoded together (more wait); max_step_tokens: optional budget of verified positions per step,
+    shared evenly by the rows (each drafts at most max_step_tokens // rows - 1); draft_max_batch: draft only while at
+    most this many rows are active (None: always); prefill_chunk: prompt tokens per prefill forward. Greedy output
+    never depends on these, only the acceptance statistics and the speed do.
+    """
+
+    def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None, *,
+                 max_batch: int = 8, max_step_tokens: int | None = None, draft_max_batch: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        for name, v, low in (("max_batch", max_batch, 1), ("prefill_chunk", prefill_chunk, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        for name, v in (("max_step_tokens", max_step_tokens), ("draft_max_batch", draft_max_batch)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        self.target = target
+        self.proposer: Proposer = proposer if proposer is not None else NoDraft()
+        if not isinstance(self.proposer, Proposer):
+            raise TypeError(f"{type(self.proposer).__name__} is not a Proposer (subclass proposers.Proposer)")
+        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        self.max_batch, self.max_step_tokens, self.draft_max_batch = max_batch, max_step_tokens, draft_max_batch
+        self.prefill_chunk = prefill_chunk
+        self._tap = bool(self.proposer.layer_ids)
+        if self._tap:
+            target.set_layer_ids(self.proposer.layer_ids)
+        self._ids = itertools.count()
+        self._pending: list[Sequence] = []
+        self._active: list[Sequence] = []
+        self._by_id: dict[Hashable, Sequence] = {}
+        self._template_used = False  # the first row gets the proposer itself, later ones forks of it
+        # counters, for tests and metrics
+        self.steps = 0
+        self.batched_forwards = 0  # target forwards that verified more than one row
+        self.plain_steps = 0  # steps that did not draft because of draft_max_batch
+
+    # ------------------------------------------------------------------------------------------ public API
+    @property
+    def name(self) -> str:
+        return self.proposer.name
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def cache_positions(self) -> int:
+        """Key/value positions held by the active rows' caches."""
+        return sum(r.cache.length for r in self._active if r.cache is not None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active or self._pending)
+
+    def add(self, prompt_ids, config: GenerationConfig | None = None, sampling: SamplingParams | None = None, *,
+            request_id: Hashable | None = None, text: bool = True) -> Hashable:
+        """Queue a request; it is admitted (prefilled) by a later `step`. Returns its request id.
+        Raises ValueError for a bad prompt (empty, outside the vocabulary, longer than the context)."""
+        config = config or GenerationConfig()
+        sampling = sampling or SamplingParams()
+        prompt = check_prompt(self.target, prompt_ids)
+        if config.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        rid = next(self._ids) if request_id is None else request_id
+        if rid in self._by_id:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stops = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
+        row = Sequence(rid, prompt, config, sampling, text, self._row_proposer(), stops, self._decode)
+        self._pending.append(row)
+        self._by_id[rid] = row
+        return rid
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Mark a request cancelled; it is dropped at the next step (with a finished event, reason "cancelled")."""
+        row = self._by_id.get(request_id)
+        if row is None or row.done:
+            return False
+        row.cancelled = True
+        return True
+
+    def reset(self) -> list[Hashable]:
+        """Drop every row (after an error); returns the ids that were dropped."""
+        ids = list(self._by_id)
+        self._pending.clear()
+        self._active.clear()
+        self._by_id.clear()
+        return ids
+
+    def step(self) -> list[StepEvent]:
+        """One scheduling step: drop cancelled rows, admit waiting rows, verify all active rows in one forward."""
+        events: list[StepEvent] = []
+        if self._tap and self.target.layer_ids != tuple(self.proposer.layer_ids):
+            # engines may share one target (bench, comparisons): tap what this engine's proposer reads
+            self.target.set_layer_ids(self.proposer.layer_ids)
+        with torch.no_grad():
+            self._drop_cancelled(events)
+            while self._pending and len(self._active) < self.max_batch:
+                self._admit(self._pending.pop(0), events)
+            if self._active:
+                self._decode_step(events)
+            self._active = [r for r in self._active if not r.done]
+        self.steps += 1
+        return events
+
+    def run(self, requests: Iterable[tuple], text: bool = False) -> list[GenerationResult]:
+        """Decode (prompt_ids, config, sampling) tuples to completion, batched; results in order."""
+        ids = [self.add(*req, text=text) for req in requests]
+        results: dict = {}
+        while len(results) < len(ids):
+            for ev in self.step():
+                if ev.finished:
+                    results[ev.request_id] = ev.result
+        return [results[i] for i in ids]
+
+    def generate(self, prompt_ids, config: GenerationConfig | None = None,
+                 sampling: SamplingParams | None = None) -> GenerationResult:
+        """One generation to completion (a batch of one)."""
+        gen = self.stream(prompt_ids, config, sampling, text=False)
+        for _ in gen:
+            pass
+        assert gen.result is not None
+        return gen.result
+
+    def stream(self, prompt_ids, config: GenerationConfig | None = None, sampling: SamplingParams | None = None,
+               text: bool = True) -> Generation:
+        """One generation as an iterator of text deltas (a batch of one; the engine must have no other work).
+        With text=False nothing is decoded until the end. A bad request raises here, before iteration."""
+        if self.has_work:
+            raise RuntimeError("stream() runs one generation on an idle engine; use add() / step() for many")
+        rid = self.add(prompt_ids, config, sampling, text=text)
+        gen = Generation(iter(()))
+        gen._it = self._follow(rid, gen)
+        return gen
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _follow(self, rid: Hashable, gen: Generation) -> Iterator[str]:
+        try:
+            while True:
+                for ev in self.step():
+                    if ev.text:
+                        yield ev.text
+                    if ev.finished:
+                        gen.result = ev.result
+                        return
+        finally:
+            if rid in self._by_id:  # the caller stopped iterating early: the row goes, the engine stays usable
+                self.cancel(rid)
+                self.reset()
+
+    def _row_proposer(self) -> Proposer:
+        if not self.has_work:
+            self._template_used = False  # an idle engine's rows are all gone: the template is free again
+        if self._template_used:
+            return self.proposer.fork()
+        self._template_used = True
+        return self.proposer
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _emit(self, row: Sequence, chunk: list[int], events: list[StepEvent]) -> None:
+        delta, done = row.push(chunk)
+        if done:
+            self._finish(row, events, delta)
+        else:
+            events.append(StepEvent(row.rid, delta, len(row.new)))
+
+    def _finish(self, row: Sequence, events: list[StepEvent], delta: str = "") -> None:
+        last, result = row.finalize()
+        row.done = True
+        self._by_id.pop(row.rid, None)
+        events.append(StepEvent(row.rid, delta + last, len(row.new), finished=True, result=result))
+
+    def _drop_cancelled(self, events: list[StepEvent]) -> None:
+        for row in [r for r in self._pending if r.cancelled]:
+            self._pending.remove(row)
+            self._finish(row, events)
+        for row in self._active:
+            if row.cancelled and not row.done:
+                self._finish(row, events)
+        self._active = [r for r in self._active if not r.done]
+
+    def _admit(self, row: Sequence, events: list[StepEvent]) -> None:
+        """Prefill one row on its own cache (in chunks), pick its first token, start its proposer."""
+        target, prompt = self.target, row.prompt
+        if not row.sampling.greedy:
+            row.generator = make_generator(row.sampling.seed, target.device)
+        row.t0 = time.perf_counter()
+        n0 = prompt.numel()
+        # room for the whole generation plus one verify, so the preallocated cache never has to grow
+        width = max(row.block, row.proposer.max_width)
+        row.cache = target.new_decode_cache(min(target.max_context, n0 + row.config.max_new_tokens + width + 1))
+        feats = []
+        for a in range(0, n0, self.prefill_chunk):
+            out = target.forward(prompt[a:a + self.prefill_chunk].unsqueeze(0), row.cache, last_only=True,
+                                 tap=self._tap)
+            row.stats.target_forwards += 1
+            if self._tap:
+                feats.append(out.features)
+        first = pick_token(out.logits[0, -1], row.sampling, row.generator)
+        row.proposer.start(prompt, (torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]) if feats else None)
+        row.stats.prefill_seconds = time.perf_counter() - row.t0
+        row.tokens = torch.cat([prompt, first.view(1)])
+        row.produced = 1
+        self._emit(row, [int(first)], events)
+        if not row.done:
+            self._active.append(row)
+
+    def _limits(self, rows: list[Sequence], events: list[StepEvent]) -> list[tuple[Sequence, int]]:
+        """(row, the most tokens it may draft this step) for the rows that still have room in the context."""
+        per_row = None
+        if self.max_step_tokens is not None:
+            per_row = max(1, self.max_step_tokens // max(1, len(rows)))
+        plain = self.draft_max_batch is not None and len(rows) > self.draft_max_batch
+        self.plain_steps += plain
+        out = []
+        for row in rows:
+            n = row.tokens.numel()
+            room = self.target.max_context - n  # positions n-1 .. n-1+G must stay inside the context
+            if room < 0:
+                self._finish(row, events)
+                continue
+            g = max(0, min(row.block - 1, row.config.max_new_tokens - row.produced - 1, room))
+            if per_row is not None:
+                g = min(g, per_row - 1)
+            out.append((row, 0 if plain else g))
+        return out
+
+    def _propose(self, limits: list[tuple[Sequence, int]]) -> list[_Plan]:
+        """Every row's candidates: trees one by one, chains in batched calls per proposer class."""
+        plans: dict[int, _Plan] = {}
+        chains: dict[type, list[int]] = {}
+        for i, (row, g) in enumerate(limits):
+            if row.proposer.proposes_trees:
+                t1 = time.perf_counter()
+                tree = row.proposer.propose_tree(row.tokens, g, row.sampling, row.generator)
+                row.stats.draft_seconds += time.perf_counter() - t1
+                if tree.max_depth > g:
+                    raise ValueError(f"malformed tree: depth {tree.max_depth} > the {g} positions left")
+                check_tree(tree, self.target.vocab_size)
+                if int(tree.tokens[0]) != int(row.tokens[-1]):
+                    raise ValueError("malformed tree: its root must be the last committed token")
+                n = row.tokens.numel()
+                # a chain (e.g. a lookup-only step) takes the plain causal path: its ancestor mask is the causal
+                # mask, so nothing needs building (and calibrate.py prices it as a chain)
+                pos = None if tree.is_chain else tree.depth + (n - 1)
+                mask = None if tree.is_chain else ancestor_mask(tree.parents)
+                plans[i] = _Plan(row, tree.tokens, pos, mask, tree=tree)
+            else:
+                chains.setdefault(type(row.proposer), []).append(i)
+        for cls, idx in chains.items():
+            rows = [limits[i][0] for i in idx]
+            t1 = time.perf_counter()
+            props = cls.propose_rows([r.proposer for r in rows], [r.tokens for r in rows],
+                                     [limits[i][1] for i in idx], [r.sampling for r in rows],
+                                     [r.generator for r in rows])
+            dt = time.perf_counter() - t1
+            for i, row, prop in zip(idx, rows, props):
+                row.stats.draft_seconds += dt
+                ids = torch.cat([row.tokens[-1:], prop.tokens])
+                plans[i] = _Plan(row, ids, None, None, proposal=prop)
+        return [plans[i] for i in range(len(limits))]
+
+    def _decode_step(self, events: list[StepEvent]) -> None:
+        limits = self._limits([r for r in self._active if not r.done], events)
+        if not limits:
+            return
+        plans = self._propose(limits)
+        if any(p.positions is not None for p in plans):
+            positions = [p.positions if p.positions is not None else
+                         torch.arange(p.row.tokens.numel() - 1, p.row.tokens.numel() - 1 + p.ids.numel(),
+                                      device=p.ids.device) for p in plans]
+        else:
+            positions = None
+        t2 = time.perf_counter()
+        outs = self.target.forward_rows([p.ids for p in plans], [p.row.cache for p in plans], positions=positions,
+                                        tree_masks=[p.tree_mask for p in plans], tap=self._tap)
+        dt = time.perf_counter() - t2
+        self.batched_forwards += len(plans) > 1
+        for plan, out in zip(plans, outs):
+            row = plan.row
+            n = row.tokens.numel()
+            if plan.tree is not None:
+                step, g = self._verify_tree(plan, out, n)
+            else:
+                step, g = self._verify_chain(plan, out, n)
+            a = step.numel() - 1
+            row.stats.target_forwards += 1
+            row.stats.verify_seconds += dt
+            row.stats.accept_lengths.append(a + 1)
+            row.stats.record(g, a)
+            row.tokens = torch.cat([row.tokens, step])
+            row.produced += a + 1
+            self._emit(row, step.tolist(), events)
+
+    def _verify_chain(self, plan: _Plan, out, n: int) -> tuple[torch.Tensor, int]:
+        row, prop = plan.row, plan.proposal
+        if row.sampling.greedy:
+            committed, acc = greedy_verify(prop.tokens.unsqueeze(0), out.logits)
+        else:
+            p = logits_to_probs(out.logits, row.sampling)
+            q = prop.probs.unsqueeze(0) if prop.probs is not None else None
+            committed, acc = rejection_verify(prop.tokens.unsqueeze(0), q, p, row.generator)
+        a = int(acc[0])
+        row.cache.crop(n + a)
+        if self._tap:
+            row.proposer.accept(out.features[:, : a + 1], a + 1)
+        return committed[0, : a + 1], prop.tokens.numel()
+
+    def _verify_tree(self, plan: _Plan, out, n: int) -> tuple[torch.Tensor, int]:
+        """Acceptance over the tree's nodes, then the cache keeps only the accepted path (in path order, at
+        positions n-1 .. n-1+a) and the proposer gets the path's features."""
+        row, tree = plan.row, plan.tree
+        if row.sampling.greedy:
+            path, committed = greedy_verify_tree(tree, out.logits[0])
+        else:
+            rows = out.logits[0]
+            path, committed = rejection_verify_tree(tree, lambda i: logits_to_probs(rows[i], row.sampling),
+                                                    row.generator)
+        keep = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+        row.cache.compact(n - 1, keep)
+        row.proposer.accept_tree(tree, path, out.features[:, keep] if self._tap else None)
+        row.stats.tree_nodes.append(tree.num_nodes - 1)
+        return torch.tensor(committed, dtype=torch.long, device=tree.tokens.device), tree.max_depth
