@@ -5,12 +5,15 @@
 For each method (`ar` = `--draft none`, `dflash` = the shipped draft with the server's default method) one real
 server process is started (`python -m blockdraft.serve.app`, the given --threads). Then, prompt by prompt, the
 same greedy request runs once in this process through the engine `blockdraft generate` uses and once through the
-server with concurrency 1 (interleaved, so both see the same machine). After that, for each concurrency c, c client
-threads stream requests back to back until max(c, --min-requests) have completed.
+server with concurrency 1 (interleaved, so both see the same machine; a plain, non-streaming request, so that the
+client sits idle while the server decodes: on a 2-core machine a client parsing a stream takes a core from the
+server). Compared: decode tok/s as the engine measures it (tokens committed after the first / decode seconds; the
+server's figure is the `blockdraft` object of its answer) and end-to-end tok/s (tokens / seconds from request to
+answer, prefill included). After that, for each concurrency c, c client threads stream requests back to back until
+max(c, --min-requests) have completed.
 
-Reported per request: decode tok/s = (completion tokens - 1) / (last chunk - first chunk) on the client's clock
-(prefill and the first token excluded, as the bench's decode tok/s); per level: total completion tokens / wall
-seconds, mean time to first token, mean tau (from the response's `blockdraft` object).
+Reported per level: total completion tokens / wall seconds, per-request decode tok/s on the client's clock
+((completion tokens - 1) / (last chunk - first chunk)), mean time to first token, mean tau.
 
     .venv/bin/python scripts/serve_bench.py --threads 2 --out benchmarks/serving/DATE/serve.md
 
@@ -53,6 +56,16 @@ def stream_one(client, model: str, messages: list[dict], max_tokens: int) -> dic
     decode = (last - first) if first is not None and last is not None else 0.0
     return {"tokens": n, "latency": time.perf_counter() - t0, "ttft": (first - t0) if first else 0.0,
             "decode_tok_s": (n - 1) / decode if decode > 0 and n > 1 else 0.0, "tau": extra.get("tau")}
+
+
+def plain_one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    wall = time.perf_counter() - t0
+    bd = (resp.model_extra or {}).get("blockdraft", {})
+    n = resp.usage.completion_tokens
+    return {"tokens": n, "e2e_tok_s": n / wall, "decode_tok_s": bd.get("decode_tokens_per_s", 0.0),
+            "tau": bd.get("tau")}
 
 
 def level(client, model: str, prompts: list[list[dict]], concurrency: int, n_requests: int, max_tokens: int) -> dict:
@@ -128,11 +141,15 @@ def main(argv=None) -> int:
             stream_one(client, model, messages[0], 8)  # warm-up, both sides
             engine.generate(encode_prompt(target.tokenizer, messages[0]), GenerationConfig(max_new_tokens=8))
             for q, msgs in zip(prompts, messages):
+                t0 = time.perf_counter()
                 res = engine.generate(encode_prompt(target.tokenizer, msgs), cfg)
-                http = stream_one(client, model, msgs, args.max_tokens)
+                wall = time.perf_counter() - t0
+                http = plain_one(client, model, msgs, args.max_tokens)
                 solo.append({"method": method, "prompt": q.id, "generate_decode_tok_s": res.stats.decode_tokens_per_s,
-                             "generate_tau": res.stats.tau, "serve_decode_tok_s": http["decode_tok_s"],
-                             "serve_tau": http["tau"], "tokens": http["tokens"]})
+                             "generate_e2e_tok_s": len(res.token_ids) / wall, "generate_tau": res.stats.tau,
+                             "serve_decode_tok_s": http["decode_tok_s"], "serve_e2e_tok_s": http["e2e_tok_s"],
+                             "serve_tau": http["tau"], "tokens": http["tokens"], "same_tokens":
+                             http["tokens"] == len(res.token_ids)})
                 print(json.dumps(solo[-1]), file=sys.stderr, flush=True)
             for c in levels:
                 r = level(client, model, messages, c, max(c, args.min_requests), args.max_tokens)
@@ -145,16 +162,23 @@ def main(argv=None) -> int:
     lines = [f"target {src.name} ({args.dtype}, weights {target.weights.describe()}), draft "
              f"{draft_path.name if draft_path else 'none'}, greedy, max_tokens {args.max_tokens}, threads "
              f"{args.threads}, {len(prompts)} prompts ({args.tasks}), max_batch {args.max_batch}", "",
-             "Concurrency 1, prompt by prompt (medians): `blockdraft generate`'s engine in-process vs the server "
-             "through HTTP", "", "| method | generate decode tok/s | serve decode tok/s | serve / generate | tau |",
-             "|---|---:|---:|---:|---:|"]
+             "Concurrency 1, prompt by prompt (medians; ratios paired per prompt): `blockdraft generate`'s engine "
+             "in-process vs the server through HTTP", "",
+             "| method | generate decode tok/s | serve decode tok/s | serve / generate | generate e2e tok/s | "
+             "serve e2e tok/s | serve / generate (e2e) | tau |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for method in args.methods.split(","):
         s = [x for x in solo if x["method"] == method]
-        g = statistics.median(x["generate_decode_tok_s"] for x in s)
-        h = statistics.median(x["serve_decode_tok_s"] for x in s)
-        ratio = statistics.median(x["serve_decode_tok_s"] / x["generate_decode_tok_s"] for x in s
-                                  if x["generate_decode_tok_s"] > 0)
-        lines.append(f"| {method} | {g:.1f} | {h:.1f} | {ratio:.2f}x | {statistics.mean(x['generate_tau'] for x in s):.2f} |")
+
+        def med(key: str) -> float:
+            return statistics.median(x[key] for x in s)
+
+        def ratio(a: str, b: str) -> float:
+            return statistics.median(x[a] / x[b] for x in s if x[b] > 0)
+
+        lines.append(f"| {method} | {med('generate_decode_tok_s'):.1f} | {med('serve_decode_tok_s'):.1f} | "
+                     f"{ratio('serve_decode_tok_s', 'generate_decode_tok_s'):.2f}x | {med('generate_e2e_tok_s'):.1f} | "
+                     f"{med('serve_e2e_tok_s'):.1f} | {ratio('serve_e2e_tok_s', 'generate_e2e_tok_s'):.2f}x | "
+                     f"{statistics.mean(x['generate_tau'] for x in s):.2f} |")
     base = {r["concurrency"]: r["tok_per_s"] for r in rows if r["method"] == "ar"}
     lines += ["", "| method | concurrency | requests | total tok/s | vs ar | per-request decode tok/s | mean TTFT s "
               "| tau |", "|---|---:|---:|---:|---:|---:|---:|---:|"]

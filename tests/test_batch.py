@@ -429,3 +429,27 @@ def test_native_engine_batched_equals_solo_in_every_statistic(dtype, one_thread)
     out = eng.run(reqs)
     _assert_same(out, solo)
     assert eng.batched_forwards > 0
+
+
+def test_the_measured_batch_policy_drafts_only_where_it_pays(llama_target):
+    """With two or more rows, a step drafts when the verify cost says drafting commits more tokens per second: a
+    cost that grows steeply with the width makes every step plain (until an exploring step), a flat one keeps
+    drafting. Greedy output is the same either way."""
+    from blockdraft.calibrate import VerifyCost
+    from blockdraft.decode import engine as engine_module
+
+    prompts = _prompts((5, 11, 17))
+    make, kw = _setup(llama_target, "oracle", prompts)
+    reqs = [(p, GenerationConfig(max_new_tokens=30, ignore_eos=True)) for p in prompts]
+    solo = _solo(llama_target, make, reqs)
+    steep = VerifyCost(seconds=[float(w) ** 2 for w in range(1, 65)])  # w tokens cost w^2: never worth a block
+    flat = VerifyCost(seconds=[1.0] * 64)
+    eng = Engine(llama_target, max_batch=3, batch_cost=steep, **kw)
+    out = eng.run(reqs)
+    _assert_same(out, solo, stats=False)
+    assert all(r.stats.accept_lengths[0] == 1 for r in out)  # three rows from the first step on: plain
+    assert eng.plain_steps >= engine_module.EXPLORE_EVERY
+    make, kw = _setup(llama_target, "oracle", prompts)
+    eng = Engine(llama_target, max_batch=3, batch_cost=flat, **kw)
+    _assert_same(eng.run(reqs), solo)
+    assert eng.plain_steps == 0

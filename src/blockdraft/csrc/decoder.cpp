@@ -230,6 +230,35 @@ struct Rows {
   size_t size() const { return offset.size() - 1; }
 };
 
+// One layer's attention for a batch of rows: each row's new keys / values (rotated first when cs / sn are given)
+// go into its own cache at layer li, then every row's queries attend over their row's cache. qkv [S, (n_q + 2 n_kv)
+// D] holds the stacked rows' projections; trees (when given) [i] defined: row i is a candidate tree, else `plain`
+// (kCausal for the target's new tokens, kAll for a draft's block). att [S, n_q D].
+template <typename C>
+void attend_rows(int64_t li, const Rows& rows, const std::vector<torch::Tensor>& kcs,
+                 const std::vector<torch::Tensor>& vcs, const std::vector<int64_t>& starts, float* qkv, int64_t n_q,
+                 int64_t n_kv, int64_t d, const float* cs, const float* sn, const std::vector<torch::Tensor>* trees,
+                 Seen plain, float* att) {
+  const int64_t row = (n_q + 2 * n_kv) * d;
+  std::vector<AttnRow<C>> jobs;
+  jobs.reserve(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
+    C* kb = kcs[i].data_ptr<C>() + li * n_kv * cap * d;
+    C* vb = vcs[i].data_ptr<C>() + li * n_kv * cap * d;
+    for (int64_t r = o; r < o + t; ++r) {
+      float* q = qkv + r * row;
+      if (cs != nullptr)
+        for (int64_t hh = 0; hh < n_q + n_kv; ++hh) rope(q + hh * d, cs + r * d, sn + r * d, d);
+      store_kv(q + n_q * d, q + (n_q + n_kv) * d, n_kv, d, kb, vb, cap, starts[i] + (r - o));
+    }
+    const bool tree = trees != nullptr && (*trees)[i].defined();
+    jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, tree ? Seen::kTree : plain,
+                              tree ? (*trees)[i].data_ptr<bool>() : nullptr, att + o * n_q * d});
+  }
+  attention_rows(jobs, row, n_q, n_kv, d);
+}
+
 // The SiLU-gated MLP of t rows added into the residual stream x [t, H]: x += down(silu(gate(h)) * up(h)),
 // h = RMSNorm(x) with ln. hbuf [t, H], gu [t, 2I], act [t, I], tmp [t, H]: scratch.
 inline void mlp_residual(float* x, int64_t t, int64_t h, int64_t inter, const float* ln, float eps,
@@ -299,12 +328,13 @@ class Decoder {
       for (int64_t r = 0; r < t; ++r)
         rms_norm(xr + r * h_, L.ln_in.data_ptr<float>(), h_, L.eps_in, hbuf.data() + r * h_);
       L.qkv.apply(hbuf.data(), t, qkv.data());
+      const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
       if (rows.fp32)
-        attend<float>(li, rows, kcs, vcs, starts, qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(), tree_c,
-                      att.data());
+        attend_rows<float>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, cs, sn, &tree_c, Seen::kCausal,
+                           att.data());
       else
-        attend<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                             tree_c, att.data());
+        attend_rows<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, cs, sn, &tree_c,
+                                  Seen::kCausal, att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
       mlp_residual(xr, t, h_, inter_, L.ln_post.data_ptr<float>(), L.eps_post, L.gate_up, L.down, hbuf.data(),
@@ -321,31 +351,6 @@ class Decoder {
   }
 
  private:
-  // RoPE on the new q / k rows, the new k / v into each row's cache, then attention of every new query over its
-  // row's cache
-  template <typename C>
-  void attend(int64_t li, const Rows& rows, const std::vector<torch::Tensor>& kcs,
-              const std::vector<torch::Tensor>& vcs, const std::vector<int64_t>& starts, float* qkv, const float* cs,
-              const float* sn, const std::vector<torch::Tensor>& trees, float* att) const {
-    const int64_t row = (nq_ + 2 * nkv_) * d_;
-    std::vector<AttnRow<C>> jobs;
-    jobs.reserve(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
-      C* kb = kcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
-      C* vb = vcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
-      for (int64_t r = o; r < o + t; ++r) {
-        float* q = qkv + r * row;
-        for (int64_t hh = 0; hh < nq_ + nkv_; ++hh) rope(q + hh * d_, cs + r * d_, sn + r * d_, d_);
-        store_kv(q + nq_ * d_, q + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap, starts[i] + (r - o));
-      }
-      const bool tree = trees[i].defined();
-      jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, tree ? Seen::kTree : Seen::kCausal,
-                                tree ? trees[i].data_ptr<bool>() : nullptr, att + o * nq_ * d_});
-    }
-    attention_rows(jobs, row, nq_, nkv_, d_);
-  }
-
   int64_t h_, nq_, nkv_, d_, inter_;
   torch::Tensor final_norm_;
   float final_eps_;
@@ -452,10 +457,13 @@ class DraftStack {
           rope(q + hh * d_, cos.data_ptr<float>() + r * d_, sin.data_ptr<float>() + r * d_, d_);
         }
       }
+      // q and k were normed and rotated above; every block query sees its whole context and block
       if (rows.fp32)
-        block_attention<float>(li, rows, kcs, vcs, starts, qkv.data(), att.data());
+        attend_rows<float>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, nullptr, nullptr, nullptr,
+                           Seen::kAll, att.data());
       else
-        block_attention<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), att.data());
+        attend_rows<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, nullptr, nullptr, nullptr,
+                                  Seen::kAll, att.data());
       L.o.apply(att.data(), t, tmp.data());
       add_into(xr, tmp.data(), t * h_);
       mlp_residual(xr, t, h_, inter_, L.ln2.data_ptr<float>(), L.eps, L.gate_up, L.down, hbuf.data(), gu.data(),
@@ -468,25 +476,6 @@ class DraftStack {
   }
 
  private:
-  template <typename C>
-  void block_attention(int64_t li, const Rows& rows, const std::vector<torch::Tensor>& kcs,
-                       const std::vector<torch::Tensor>& vcs, const std::vector<int64_t>& starts, const float* qkv,
-                       float* att) const {
-    const int64_t row = (nq_ + 2 * nkv_) * d_;
-    std::vector<AttnRow<C>> jobs;
-    jobs.reserve(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
-      C* kb = kcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
-      C* vb = vcs[i].data_ptr<C>() + li * nkv_ * cap * d_;
-      for (int64_t r = o; r < o + t; ++r)
-        store_kv(qkv + r * row + nq_ * d_, qkv + r * row + (nq_ + nkv_) * d_, nkv_, d_, kb, vb, cap,
-                 starts[i] + (r - o));
-      jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, Seen::kAll, nullptr, att + o * nq_ * d_});
-    }
-    attention_rows(jobs, row, nq_, nkv_, d_);
-  }
-
   int64_t h_, nq_, nkv_, d_, inter_;
   QLin fc_;
   torch::Tensor hidden_norm_;
@@ -504,12 +493,12 @@ void register_decoder(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, torch::Tensor, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("num_layers", &Decoder::num_layers)
-      .def("forward", &Decoder::forward);
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DraftStack>(m, "DraftStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, QLin, torch::Tensor, double, QLin,
                           torch::Tensor, double>())
       .def("add_layer", &DraftStack::add_layer)
       .def("num_layers", &DraftStack::num_layers)
-      .def("context", &DraftStack::context)
-      .def("forward", &DraftStack::forward);
+      .def("context", &DraftStack::context, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward", &DraftStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

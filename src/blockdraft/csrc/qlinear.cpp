@@ -25,7 +25,8 @@ torch::Tensor qlin_call(const QLin& q, const torch::Tensor& xin) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QLin>(m, "QLin")
-      .def("__call__", &qlin_call, "x [..., K] (float32 / bf16) -> x W^T + b [..., N] in x's dtype")
+      .def("__call__", &qlin_call, "x [..., K] (float32 / bf16) -> x W^T + b [..., N] in x's dtype",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_readonly("bits", &QLin::bits)
       .def_readonly("out_features", &QLin::n)
       .def_readonly("in_features", &QLin::k)

@@ -25,9 +25,14 @@ the same float operations whatever the batch), so a batched row is its solo run 
 batched == solo == naive, token for token, in fp32 on tiny random models.
 
 Large batches: drafting multiplies the tokens each step verifies, and on a CPU a verify of many rows is bound by
-compute, not by reading the weights, so past some batch size drafting costs more than it commits. `draft_max_batch`
-turns drafting off (every row verifies its last token alone, its proposer's context still kept up to date) while
-more rows than that are active; `max_step_tokens` instead shares a budget of verified positions among the rows.
+compute, not by reading the weights, so past some batch size drafting costs more than it commits. With
+`batch_cost` (the target's measured verify cost per width, `calibrate.VerifyCost`) a step of two or more rows
+drafts only when it is expected to commit more tokens per second than a plain step: expected tokens = the rows'
+running tokens per drafted step, cost = verify(all rows' candidates) + the measured draft time, against rows /
+verify(one token per row); every EXPLORE_EVERY plain steps in a row one step drafts anyway, so the figures stay
+measured. A step that does not draft verifies each row's last token alone (its proposer's context is still kept up
+to date). `draft_max_batch` is a fixed cap instead (no drafting while more rows are active); `max_step_tokens`
+shares a budget of verified positions among the rows.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from ..verify import greedy_verify, rejection_verify
 from ..verify_tree import greedy_verify_tree, rejection_verify_tree
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations a long prompt needs at once
+EXPLORE_EVERY = 16  # with batch_cost: after this many plain steps in a row, one step drafts to measure again
+GAIN_PRIOR = 1.0  # tokens a drafted step commits beyond the verified one, before a row has measured its own
 
 
 @dataclass
@@ -210,6 +217,7 @@ class Sequence:
         self.done = False
         self.stats = DecodeStats(prompt_tokens=prompt.numel())
         self.t0 = 0.0
+        self.gain: float | None = None  # running mean of the tokens a drafted step committed beyond one
 
     def push(self, chunk: list[int]) -> tuple[str, bool]:
         """Add newly committed tokens; return (text delta, whether the row is finished). Text is held back while
@@ -276,13 +284,15 @@ class Engine:
 
     max_batch: rows decoded together (more wait); max_step_tokens: optional budget of verified positions per step,
     shared evenly by the rows (each drafts at most max_step_tokens // rows - 1); draft_max_batch: draft only while at
-    most this many rows are active (None: always); prefill_chunk: prompt tokens per prefill forward. Greedy output
-    never depends on these, only the acceptance statistics and the speed do.
+    most this many rows are active (None: no cap); batch_cost: a `calibrate.VerifyCost` of this target, for the
+    measured per-step choice between drafting and a plain step when two or more rows are active (None: always
+    draft); prefill_chunk: prompt tokens per prefill forward. Greedy output never depends on these, only the
+    acceptance statistics and the speed do.
     """
 
     def __init__(self, target: TargetModel, proposer: Proposer | None = None, tokenizer=None, *,
                  max_batch: int = 8, max_step_tokens: int | None = None, draft_max_batch: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 batch_cost=None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         for name, v, low in (("max_batch", max_batch, 1), ("prefill_chunk", prefill_chunk, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -295,6 +305,9 @@ class Engine:
             raise TypeError(f"{type(self.proposer).__name__} is not a Proposer (subclass proposers.Proposer)")
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.max_batch, self.max_step_tokens, self.draft_max_batch = max_batch, max_step_tokens, draft_max_batch
+        self.batch_cost = batch_cost
+        self._draft_row_s: float | None = None  # running mean of the draft's time per drafting row in a step
+        self._plain_run = 0  # plain steps in a row (batch_cost's exploration)
         self.prefill_chunk = prefill_chunk
         self._tap = bool(self.proposer.layer_ids)
         if self._tap:
@@ -307,7 +320,7 @@ class Engine:
         # counters, for tests and metrics
         self.steps = 0
         self.batched_forwards = 0  # target forwards that verified more than one row
-        self.plain_steps = 0  # steps that did not draft because of draft_max_batch
+        self.plain_steps = 0  # steps of two or more rows that did not draft (draft_max_batch or batch_cost)
 
     # ------------------------------------------------------------------------------------------ public API
     @property
@@ -490,8 +503,6 @@ class Engine:
         per_row = None
         if self.max_step_tokens is not None:
             per_row = max(1, self.max_step_tokens // max(1, len(rows)))
-        plain = self.draft_max_batch is not None and len(rows) > self.draft_max_batch
-        self.plain_steps += plain
         out = []
         for row in rows:
             n = row.tokens.numel()
@@ -502,8 +513,27 @@ class Engine:
             g = max(0, min(row.block - 1, row.config.max_new_tokens - row.produced - 1, room))
             if per_row is not None:
                 g = min(g, per_row - 1)
-            out.append((row, 0 if plain else g))
+            out.append((row, g))
+        if len(out) > 1 and not self._drafting_pays(out):
+            self.plain_steps += 1
+            self._plain_run += 1
+            return [(row, 0) for row, _ in out]
+        self._plain_run = 0
         return out
+
+    def _drafting_pays(self, limits: list[tuple[Sequence, int]]) -> bool:
+        """Whether this step of several rows should draft (see the module docstring)."""
+        if self.draft_max_batch is not None and len(limits) > self.draft_max_batch:
+            return False
+        cost = self.batch_cost
+        if cost is None or not any(g for _, g in limits) or self._plain_run >= EXPLORE_EVERY:
+            return True
+        b = len(limits)
+        width = sum(g + 1 for _, g in limits)
+        expected = sum(1.0 + (min(g, row.gain) if row.gain is not None else min(g, GAIN_PRIOR)) for row, g in limits)
+        drafting = sum(1 for _, g in limits if g > 0)
+        seconds = cost.chain(width) + (self._draft_row_s or 0.0) * drafting
+        return expected / seconds > b / cost.chain(b)
 
     def _propose(self, limits: list[tuple[Sequence, int]]) -> list[_Plan]:
         """Every row's candidates: trees one by one, chains in batched calls per proposer class."""
@@ -534,6 +564,10 @@ class Engine:
                                      [limits[i][1] for i in idx], [r.sampling for r in rows],
                                      [r.generator for r in rows])
             dt = time.perf_counter() - t1
+            drafted = sum(1 for p in props if p.tokens.numel())
+            if drafted:
+                per = dt / drafted
+                self._draft_row_s = per if self._draft_row_s is None else 0.8 * self._draft_row_s + 0.2 * per
             for i, row, prop in zip(idx, rows, props):
                 row.stats.draft_seconds += dt
                 ids = torch.cat([row.tokens[-1:], prop.tokens])
@@ -564,6 +598,8 @@ class Engine:
             else:
                 step, g = self._verify_chain(plan, out, n)
             a = step.numel() - 1
+            if g > 0:
+                row.gain = a if row.gain is None else 0.8 * row.gain + 0.2 * a
             row.stats.target_forwards += 1
             row.stats.verify_seconds += dt
             row.stats.accept_lengths.append(a + 1)

@@ -32,8 +32,10 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,7 +44,6 @@ from .scheduler import QueueFullError, RequestHandle, Scheduler, SchedulerClosed
 from .schema import APIError, ParsedRequest, RequestParser
 
 SERVE_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld")
-DRAFT_MAX_BATCH = 0  # see --draft-max-batch
 
 log = logging.getLogger("blockdraft.serve")
 
@@ -287,8 +288,10 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_CountResponses, metrics=metrics)],
-                     exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_CountResponses, metrics=metrics)],
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.scheduler = scheduler
+    return app
 
 
 class _CountResponses:
@@ -334,9 +337,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "trees (with prompt-lookup branches), sized per step from this target's verify cost; pld = "
                         "prompt lookup alone (no draft)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--draft-max-batch", type=int, default=DRAFT_MAX_BATCH,
-                   help="draft only while at most this many sequences are active; more verify plainly (a wide "
-                        "verify of many rows costs more than it commits on a CPU; 0: never limit)")
+    p.add_argument("--batch-policy", default="measured", choices=["measured", "always"],
+                   help="with several sequences active: measured = each step drafts only when this target's "
+                        "measured verify cost says it commits more tokens per second than a plain step (a wide "
+                        "verify of many rows is compute-bound on a CPU); always = every step drafts")
+    p.add_argument("--draft-max-batch", type=int, default=0,
+                   help="never draft while more than this many sequences are active (0: no cap)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond max-batch (then 429)")
     p.add_argument("--max-tokens-cap", type=int, default=512, help="upper bound on max_tokens per request")
     p.add_argument("--max-step-tokens", type=int, default=None,
@@ -408,6 +414,11 @@ def build_server(args):
         engine = build_tree_engine(target, draft_path, lookup=method == "dflash+lookup", block_size=args.block_size,
                                    **kw)
         draft_name = f"{draft_path.name} ({method})"
+    if getattr(args, "batch_policy", "measured") == "measured" and engine.proposer.name != "ar":
+        from ..calibrate import load_or_measure
+
+        # the target's verify cost per width (cached per machine; measured now, ~30 s, if there is none)
+        engine.batch_cost = load_or_measure(target)
     scheduler = Scheduler(engine, max_queue=args.max_queue, step_delay=args.debug_step_delay)
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
                               vocab_size=target.vocab_size, api_key=args.api_key,
@@ -437,7 +448,25 @@ def serve_main(args) -> int:
           f"http://{shown}:{port}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3,
                             access_log=args.log_level in ("debug", "info"))
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    scheduler = app.state.scheduler
+
+    def http() -> None:  # the HTTP side in a thread; the engine keeps the main thread (Scheduler.run says why)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            scheduler.stop()
+
+    def exit_on(signum, frame) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, exit_on)
+    scheduler.claim()
+    thread = threading.Thread(target=http, name="blockdraft-http")
+    thread.start()
+    scheduler.run()  # returns once the HTTP side has shut down and stopped it
+    thread.join()
     return 0
 
 
