@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """Several drafts for the default target in one run: `ar` and each draft decode the same prompts, interleaved
 prompt by prompt in a rotating order. Reports tau, decode tok/s, draft/verify ms per step and the paired decode
-speedup over `ar`, overall and per task. Used for full vs reduced draft vocabulary (issue #8) and for draft depths
-(issue #5).
+speedup over `ar`, overall and per task. Used for full vs reduced draft vocabulary and for draft depths.
 
     .venv/bin/python scripts/compare_drafts.py --draft full=runs/smollm2-l2/draft --draft reduced=runs/smollm2-l2-v8k \
         --n 4 --max-new-tokens 96 --threads 1 --out benchmarks/smollm2-135m-fast/vocab

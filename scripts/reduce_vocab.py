@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Derive a reduced-vocabulary DFlash draft from a full-vocabulary one (issue #8): same layers, but it proposes only
+"""Derive a reduced-vocabulary DFlash draft from a full-vocabulary one: same layers, but it proposes only
 among the N most frequent response tokens of the training data (the vLLM `d2t` mapping saved in the checkpoint);
 verification stays over the full vocabulary, so decoding stays lossless. The draft's LM-head product shrinks from
 V x H to N x H per block row.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Teacher-forced training data for the default target at prefill speed (issue #16, item 3): ShareGPT's own first
+"""Teacher-forced training data for the default target at prefill speed: ShareGPT's own first
 answers (written by ChatGPT, not by the target) of training-split conversations that the regeneration has not
 answered, run through the target once to cache its features, greedy labels and top-k logits (train/teacher.py).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Train a DFlash draft for the default target on its teacher cache (scripts/teacher_cache_default.py first), or
-compute the two reference predictors of issue #16 on the same held-out anchors.
+compute the two reference predictors on the same held-out anchors.
 
     .venv/bin/python scripts/train_fast_default.py train --out runs/fast-a --steps 600 --anchors 0 --block-size 16
     .venv/bin/python scripts/train_fast_default.py probes --out benchmarks/smollm2-135m-fast-train/probes.json

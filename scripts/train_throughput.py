@@ -3,7 +3,7 @@
 against the fast path (teacher cache, factorised block mask: fast.batch_loss), in one run with the methods
 interleaved round by round, same draft (the shipped default), same threads. Block rows/s = (anchors x block size)
 per second of forward + backward + optimizer step; padding (anchor slots a shorter sequence leaves empty) is not
-counted, so the bucketed variant (train-fast's default since the fifth session) shows what bucketing saves.
+counted, so the bucketed variant (train-fast's default) shows what bucketing saves.
 
     .venv/bin/python scripts/train_throughput.py --threads 2 --rounds 4 --out benchmarks/smollm2-135m-fast-train/throughput.json
 """

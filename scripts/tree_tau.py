@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Tokens committed per verify step (tau) of the DFlash chain against candidate trees of fixed node budgets, and of
-prompt lookup against the tree with lookup branches, on the default target (issue #13). Acceptance only: these
+prompt lookup against the tree with lookup branches, on the default target. Acceptance only: these
 budgets are fixed, so the figures do not depend on the machine's speed (run `blockdraft bench` for speed).
 
     .venv/bin/python scripts/tree_tau.py --n 2 --max-new-tokens 64 --budgets 8,16,32,63 --threads 1

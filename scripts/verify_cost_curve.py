@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Verify cost curve: what one target forward over N new tokens costs, relative to N = 1 (N = 1..16), in our engine
-and in llama.cpp, on the default target (issue #14).
+and in llama.cpp, on the default target.
 
 Speculative decoding pays off only while verifying N tokens costs little more than decoding one. The two engines
 differ most here: llama.cpp's single-token step is fast, its batched step much less so on this CPU; our engine

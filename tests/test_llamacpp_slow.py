@@ -1,4 +1,4 @@
-"""Our DFlash drafts in llama.cpp (issue #14), on the real default target: the exported GGUF loads in llama.cpp's
+"""Our DFlash drafts in llama.cpp, on the real default target: the exported GGUF loads in llama.cpp's
 DFlash, its greedy output equals llama.cpp's plain greedy output (f32 target: token-exact; in bf16 a multi-token
 verify and a 1-token step round differently and flip near-ties, as in our engine), it accepts above an untrained
 draft and about as much as in our engine, and llama.cpp's captured target features are the ones our tap reads (the

@@ -1,5 +1,5 @@
 """Tree verification on the real default target (SmolLM2-135M-Instruct) with the shipped draft: fp32 greedy output is
-token-identical to plain decoding (issue #13). Run with `make test-slow`."""
+token-identical to plain decoding. Run with `make test-slow`."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Tree verification in the engine (issue #13): the target's tree forward against chain forwards of each path (lean
+"""Tree verification in the engine: the target's tree forward against chain forwards of each path (lean
 and HF paths), cache compaction against a naive rebuild, and greedy token-exactness (fp32) with oracle, useless and
 random drafts, with and without a prompt-lookup branch."""
 
