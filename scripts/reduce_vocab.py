@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_default import REGEN, build_records  # noqa: E402
+from train_default import REGEN, build_records
 
-from blockdraft.draft import DFlashConfig, DFlashDraftModel  # noqa: E402
-from blockdraft.loading import load_target  # noqa: E402
-from blockdraft.train.data import read_shards  # noqa: E402
-from blockdraft.train.trainer import frequent_tokens  # noqa: E402
+from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.loading import load_target
+from blockdraft.train.data import read_shards
+from blockdraft.train.trainer import frequent_tokens
 
 
 def main() -> int:

@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +24,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from blockdraft.train import data as D  # noqa: E402
+from blockdraft.train import data as D
 
 
 class _Stop(Exception):

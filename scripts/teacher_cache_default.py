@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_default import heldout_records, regenerated_records  # noqa: E402
+from train_default import heldout_records, regenerated_records
 
-from blockdraft.loading import load_target  # noqa: E402
-from blockdraft.train.teacher import build_teacher_cache  # noqa: E402
+from blockdraft.loading import load_target
+from blockdraft.train.teacher import build_teacher_cache
 
 LAYERS = [1, 9, 18, 24, 27, 29]
 

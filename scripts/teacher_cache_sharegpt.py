@@ -22,17 +22,15 @@ import argparse
 import logging
 import random
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_default import regenerated_records  # noqa: E402
+from train_default import regenerated_records
 
-from blockdraft.loading import load_target  # noqa: E402
-from blockdraft.train.conversations import conversation_record  # noqa: E402
-from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations  # noqa: E402
-from blockdraft.train.teacher import build_teacher_cache  # noqa: E402
+from blockdraft.loading import load_target
+from blockdraft.train.conversations import conversation_record
+from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
+from blockdraft.train.teacher import build_teacher_cache
 
 
 def teacher_forced_records(tokenizer, max_len: int, seed: int = 0) -> list[dict]:

@@ -9,11 +9,11 @@ weights but
 - prepacks every bf16 weight for oneDNN once (`Linear`), the target's LM head included (see TargetModel.logits);
 - writes keys/values in place into a `KVCache` (crop = move a length pointer; no `torch.cat` per step);
 - computes RoPE once per forward for all layers and taps the feature layers directly (no hooks);
-- attends single-query steps (plain decoding, batched regeneration) with one grouped matmul per key/value head
+- attends a row's single-query steps (plain decoding) with one grouped matmul per key/value head
   instead of torch's flash kernel, which is slow for one query (`grouped_decode_attention`);
 - holds quantized weights where a `quant.WeightPlan` says so (a GGUF's own 4/8-bit blocks), and when every linear is
-  quantized runs single-row forwards through the native stack (`csrc/decoder.cpp`: the whole layer stack in one
-  call, tested against these Python layers).
+  quantized runs forwards through the native stack (`csrc/decoder.cpp`: the whole layer stack in one call, one row
+  or many, tested against these Python layers); `forward_rows` serves several sequences, each on its own cache.
 `compile=True` additionally runs each layer's two dense halves through `torch.compile` (fixed shapes per query
 width; attention stays eager because the key length grows). Measured on SmolLM2 it compiled for about a minute per
 query width and was not faster than the eager prepacked path, so it is off by default.
@@ -98,7 +98,7 @@ def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     token; None = every key) -> [B, Hq, 1, D], what `F.scaled_dot_product_attention(..., enable_gqa=True)` computes.
 
     Why: torch's CPU flash kernel is slow for a single query. Measured per layer on this CPU (bf16, 2 threads): 64
-    masked rows x 200 keys 6.7 ms against 0.7 ms here (it was 72% of a batched regeneration step); one row x 300 /
+    masked rows x 200 keys 6.7 ms against 0.7 ms here (it was 72% of a padded batched step); one row x 300 /
     800 keys 0.18 / 0.45 ms against 0.09 / 0.11 ms (10-30% of a plain decode step). Here the query heads of one
     key/value group are the rows of one matmul. Scores and softmax run in fp32, as the flash kernel accumulates.
     At 4-16 queries the flash kernel is the faster one, so only single-query steps come here."""
