@@ -6,7 +6,7 @@ often the draft's own choice is (its plain head: a copy gate is ignored here), a
 "either" figure is the ceiling a gate choosing between the two could reach at position 1.
 
     .venv/bin/python scripts/copy_ceiling.py --draft models/smollm2-135m-dflash --records 48 \
-        --out benchmarks/smollm2-135m-9th/copy_ceiling.json
+        --out benchmarks/default-draft/2026-12-01-8eb22f7d/copy_ceiling.json
 """
 
 from __future__ import annotations
