@@ -319,29 +319,23 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward_rows(self, ids: list[torch.Tensor], caches: list, *, positions: list[torch.Tensor] | None = None,
-                     tree_masks: list[torch.Tensor | None] | None = None, tap: bool = True,
-                     last_only: bool = False) -> list[TargetOutput]:
+                     tree_masks: list[torch.Tensor | None] | None = None, tap: bool = True) -> list[TargetOutput]:
         """Several sequences at once, each on its own cache: row i feeds ids[i] [T_i] after caches[i] (positions[i]
-        [T_i], tree_masks[i] [T_i, T_i] or None) -> one TargetOutput per row (logits [1, T_i, V], or [1, 1, V] with
-        last_only; features [1, T_i, K*H]). On the lean path one forward serves every row (`LeanDecoder.forward_rows`)
+        [T_i], tree_masks[i] [T_i, T_i] or None) -> one TargetOutput per row (logits [1, T_i, V], features
+        [1, T_i, K*H]). On the lean path one forward serves every row (`LeanDecoder.forward_rows`)
         and one LM-head product every row's logits; other architectures run the rows one after another."""
         n = len(ids)
         positions = positions if positions is not None else [None] * n
         tree_masks = tree_masks if tree_masks is not None else [None] * n
         lean = self.lean
         if lean is None or not all(isinstance(c, KVCache) for c in caches):
-            return [self.forward(x.unsqueeze(0), c, last_only=last_only, tap=tap,
+            return [self.forward(x.unsqueeze(0), c, tap=tap,
                                  positions=None if p is None else p.unsqueeze(0), tree_mask=m)
                     for x, c, p, m in zip(ids, caches, positions, tree_masks)]
         given = [p for p in positions if p is not None]
         assert not given or len(given) == n, "positions for every row or for none"
         hidden, feats = lean.forward_rows(ids, caches, given or None, tree_masks, self.layer_ids if tap else ())
         counts = [int(x.shape[0]) for x in ids]
-        ends = torch.tensor(counts).cumsum(0)
-        if last_only:
-            logits = self.logits(hidden[ends - 1])  # [n, V]
-            parts = [logits[i:i + 1] for i in range(n)]
-        else:
-            parts = list(self.logits(hidden).split(counts))
+        parts = self.logits(hidden).split(counts)
         fparts = list(feats.split(counts)) if feats is not None else [None] * n
         return [TargetOutput(logits=lg[None], features=None if f is None else f[None]) for lg, f in zip(parts, fparts)]

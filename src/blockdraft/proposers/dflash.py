@@ -325,7 +325,7 @@ class DFlashProposer(Proposer):
                                              [proposers[i].ctx for i in rows], counts)
             # the anchors' rows predict nothing: drop them, then one head product for every row
             keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-            keep[torch.tensor(counts, device=ids.device).cumsum(0) - torch.tensor(counts, device=ids.device)] = False
+            keep[[sum(counts[:j]) for j in range(len(counts))]] = False  # each block's first row
             hidden = hidden[keep].to(first.target.dtype)
             logits = first._head_logits(hidden)
             o = 0
