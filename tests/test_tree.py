@@ -74,6 +74,46 @@ def test_tree_is_breadth_first_and_choose_cuts_the_worst_nodes():
     assert _paths(cut) == {tuple(full.path_tokens(i)) for i in best6}
 
 
+def _best_count(scores, costs):
+    """The naive rule that build_tree's `costs` stands for: the first b maximising (1 + s_1 + ... + s_b) / costs[b]."""
+    best_b, best_rate, expected = 0, 1.0 / costs[0], 1.0
+    for b, s in enumerate(scores, start=1):
+        expected += s
+        if expected / costs[b] > best_rate:
+            best_b, best_rate = b, expected / costs[b]
+    return best_b
+
+
+def test_costs_stop_early_and_keep_the_tree_that_full_expansion_chooses(monkeypatch):
+    import random
+
+    import blockdraft.tree as tree_mod
+
+    stops = []
+    settled = tree_mod._settled
+    monkeypatch.setattr(tree_mod, "_settled", lambda *a: stops.append(settled(*a)) or stops[-1])
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for trial in range(400):
+        d, v = rng.randint(1, 5), rng.choice([7, 50])
+        q = torch.softmax(torch.randn(d, v, generator=gen) * rng.uniform(0.5, 6), -1) if rng.random() < 0.8 else None
+        branches = rng.randint(0 if q is not None else 1, 2)
+        lookups = [[rng.randrange(v) for _ in range(rng.randint(1, 6))] for _ in range(branches)]
+        budget, fixed = rng.choice([0, 3, 20, 63]), rng.uniform(0, 2)
+        slope, flat = rng.uniform(1e-3, 0.5), rng.randint(1, 8)  # a verify cost flat for a few nodes, then linear
+        costs = [fixed + 1 + slope * max(0, b + 1 - flat) for b in range(budget + 1)]
+        kw = dict(budget=budget, top_k=rng.randint(1, 6), lookups=lookups,
+                  lookup_conf=[[rng.uniform(0.1, 0.95) for _ in c] for c in lookups], sample=rng.random() < 0.3)
+        full = build_tree(ROOT, q, choose=lambda s: _best_count(s, costs),
+                          generator=torch.Generator().manual_seed(trial), **kw)
+        fast = build_tree(ROOT, q, costs=costs, generator=torch.Generator().manual_seed(trial), **kw)
+        for f in ("tokens", "parents", "depth", "point_mass", "score"):
+            assert torch.equal(getattr(full, f), getattr(fast, f)), (trial, f)
+        assert fast.expected == pytest.approx(1 + fast.score[1:].double().sum().item(), rel=1e-6)
+    assert sum(stops) > 100  # the expansion did end early, often
+    with pytest.raises(ValueError, match="costs"):
+        build_tree(ROOT, _q(1, 4), budget=5, top_k=2, costs=[1.0] * 3)
+
+
 def test_lookup_branch_merges_with_the_draft_where_prefixes_coincide():
     q = _q(2, 3)
     top1 = q.argmax(-1).tolist()

@@ -37,6 +37,7 @@ class Tree:
     point_mass: torch.Tensor  # [N] bool; proposed deterministically (prompt lookup) instead of drawn from q
     score: torch.Tensor  # [N] float; estimated probability that the node ends up on the accepted path (root: 1)
     q: torch.Tensor | None = None  # [D, V] float: sampled children at depth d were drawn from row d-1; None: greedy
+    expected: float | None = None  # build_tree: 1 + the kept nodes' scores in best-first order (expected tokens)
 
     @property
     def num_nodes(self) -> int:
@@ -137,7 +138,7 @@ class _Node:
 
 def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lookups: Sequence[Sequence[int]] = (),
                lookup_conf: Sequence[float | Sequence[float]] = (), max_depth: int | None = None, sample: bool = False,
-               choose: Callable[[list[float]], int] | None = None,
+               choose: Callable[[list[float]], int] | None = None, costs: Sequence[float] | None = None,
                generator: torch.Generator | None = None, draft_scale: Sequence[float] | None = None) -> Tree:
     """Build a candidate tree by best-first expansion.
 
@@ -150,6 +151,11 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     sample: False -> every draft child is one of the top-k tokens of q (greedy verification); True -> draft children
     are slots filled by drawing without replacement from q (lookup siblings excluded) after the shape is fixed.
     choose(scores) -> how many of the best nodes to keep; scores are in non-increasing order (default: all).
+    costs[b] (b = 0..budget): the time of a step that verifies b nodes; instead of `choose`, keep the b that maximises
+    expected tokens per unit of time, (1 + s_1 + ... + s_b) / costs[b] (the first such b), and stop expanding as
+    soon as no further node can change that b (every later score is at most the best waiting one), which on a
+    63-node budget usually ends the expansion after a few nodes. The tree is the one `choose` would give with
+    that rule on the fully expanded list.
     draft_scale[d - 1]: a factor on the draft's probabilities at depth d when they are used as scores (min(1, p * f)),
     e.g. the measured acceptance over the predicted one; it changes which nodes are kept, never q itself.
     The children of a node are different tokens, so their scores (conditional on the node) are capped to sum to at
@@ -160,6 +166,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
         raise ValueError(f"budget and top_k must be >= 0, got {budget}, {top_k}")
     if len(lookup_conf) < len(lookups):
         raise ValueError("one lookup confidence per lookup continuation is needed")
+    if costs is not None and (choose is not None or len(costs) < budget + 1):
+        raise ValueError("costs replace choose and need one entry per node count 0..budget")
     d_draft = 0 if q is None else q.shape[0]
     deepest = max([d_draft] + [len(c) for c in lookups])
     if max_depth is not None:
@@ -172,7 +180,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     if q is not None and k_need > 0:
         vals, idx = q[:deepest].float().topk(k_need, dim=-1)
         best_p, best_t = vals.tolist(), idx.tolist()
-        support = (q[:deepest] > 0).sum(-1).tolist()
+        if sample:
+            support = (q[:deepest] > 0).sum(-1).tolist()
 
     # the continuations as ints and the draft's probability of each lookup token at each depth, read in one gather
     # per depth: indexing q one element at a time inside the expansion took most of a tree's build time
@@ -241,14 +250,39 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
             counter += 1
 
     push_children(0)
+    expected, best_b, best_rate = 1.0, 0, (1.0 / costs[0] if costs is not None else 0.0)
     while heap and len(nodes) <= budget:
+        if costs is not None and _settled(expected, len(nodes) - 1, -heap[0][0], best_rate, costs, budget):
+            break
         neg, _, parent, d, tok, pm, br = heapq.heappop(heap)
         nodes.append(_Node(parent, d, tok, pm, -neg, br))
         push_children(len(nodes) - 1)
+        if costs is not None:
+            expected += -neg
+            rate = expected / costs[len(nodes) - 1]
+            if rate > best_rate:
+                best_b, best_rate = len(nodes) - 1, rate
     # pop order has non-increasing scores and parents first, so any prefix is a valid tree
-    keep = len(nodes) - 1 if choose is None else max(0, min(len(nodes) - 1, choose([n.score for n in nodes[1:]])))
+    if costs is not None:
+        keep = best_b
+    else:
+        keep = len(nodes) - 1 if choose is None else max(0, min(len(nodes) - 1, choose([n.score for n in nodes[1:]])))
     nodes = nodes[: keep + 1]
-    return _finish(nodes, q, sample, generator)
+    tree = _finish(nodes, q, sample, generator)
+    tree.expected = 1.0
+    for n in nodes[1:]:  # summed as the choice above sums them
+        tree.expected += n.score
+    return tree
+
+
+def _settled(expected: float, b: int, bound: float, best_rate: float, costs: Sequence[float], budget: int) -> bool:
+    """Whether no tree of more than b nodes can beat best_rate when every further node scores at most `bound`:
+    b + k nodes commit at most expected + k * bound tokens in costs[b + k]. The margin covers the rounding of the
+    running sums, so an early stop never changes the kept count."""
+    for k in range(1, budget - b + 1):
+        if expected + k * bound >= best_rate * costs[b + k] * (1.0 - 1e-9):
+            return False
+    return True
 
 
 def _finish(nodes: list[_Node], q: torch.Tensor | None, sample: bool, generator) -> Tree:

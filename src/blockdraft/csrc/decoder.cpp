@@ -86,25 +86,60 @@ inline void rope(float* v, const float* cs, const float* sn, int64_t d) {
   }
 }
 
-// q [D] . k [D] with D % 8 == 0, in a fixed order (two vector accumulators, then a fixed horizontal sum)
-template <typename C>
-inline float dot_d(const float* q, const C* k, int64_t d) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a1);
-  }
-  if (i < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
-  const __m256 a = _mm256_add_ps(a0, a1);
-  return hsum128(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
-}
-
 // o [D] += w * v [D], D % 8 == 0
 template <typename C>
 inline void axpy_d(float w, const C* v, float* o, int64_t d) {
   const __m256 wv = _mm256_set1_ps(w);
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, load8(v + i), _mm256_loadu_ps(o + i)));
+}
+
+// q [D] . k [D] for four keys, D % 8 == 0: per key a fixed order (two vector accumulators, then a fixed horizontal
+// sum), so a key's score does not depend on which keys share the call; q's chunks are loaded once for all four and
+// the eight chains of multiply-adds run side by side
+template <typename C>
+inline void dot4_d(const float* q, const C* const* k, int64_t d, float* out) {
+  __m256 a[4][2];
+  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+    for (int j = 0; j < 4; ++j) {
+      a[j][0] = _mm256_fmadd_ps(q0, load8(k[j] + i), a[j][0]);
+      a[j][1] = _mm256_fmadd_ps(q1, load8(k[j] + i + 8), a[j][1]);
+    }
+  }
+  if (i < d) {
+    const __m256 q0 = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 4; ++j) a[j][0] = _mm256_fmadd_ps(q0, load8(k[j] + i), a[j][0]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m256 v = _mm256_add_ps(a[j][0], a[j][1]);
+    out[j] = hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  }
+}
+
+// o [D] = sum over keys s (in slot order, zero weights skipped) of w[s] v_s [D], D % 8 == 0: per element the same
+// sequence of multiply-adds as repeated axpy_d from zero, with the accumulators held in registers (64 elements at
+// a time) instead of a load and a store of o per key
+template <typename C>
+inline void weighted_values(const float* w, float inv, const C* vh, int64_t n, int64_t d, float* o) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      if (w[s] == 0.f) continue;
+      const __m256 wv = _mm256_set1_ps(w[s] * inv);
+      const C* v = vh + s * d + c;
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(wv, load8(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + c + 8 * j, acc[j]);
+  }
+  if (c < d) {
+    std::fill(o + c, o + d, 0.f);
+    for (int64_t s = 0; s < n; ++s)
+      if (w[s] != 0.f) axpy_d(w[s] * inv, vh + s * d + c, o + c, d - c);
+  }
 }
 
 // Which cached keys a new query sees: all of them (a DFlash draft's block), the causal prefix through its own
@@ -153,12 +188,22 @@ void attention_rows(const std::vector<AttnRow<C>>& rows, int64_t q_stride, int64
       const C* kh = R.kb + g * R.cap * d;
       const C* vh = R.vb + g * R.cap * d;
       const int64_t seen_end = R.seen == Seen::kCausal ? start + r + 1 : total;
-      float mx = ninf;
-      for (int64_t s = 0; s < padded; ++s) {
-        const bool ok = s < start || (s < seen_end && (R.seen != Seen::kTree || R.tm[r * R.t + (s - start)]));
-        p[s] = ok ? dot_d(qv, kh + s * d, d) * scale : ninf;
-        mx = std::max(mx, p[s]);
+      // scores four keys at a time (the last group repeats the last key); unseen keys score -inf
+      float four[4];
+      const C* ks[4];
+      for (int64_t s = 0; s < total; s += 4) {
+        for (int j = 0; j < 4; ++j) ks[j] = kh + std::min<int64_t>(s + j, total - 1) * d;
+        dot4_d(qv, ks, d, four);
+        for (int64_t j = 0; j < 4 && s + j < total; ++j) {
+          const int64_t k = s + j;
+          const bool ok = k < start || (k < seen_end && (R.seen != Seen::kTree || R.tm[r * R.t + (k - start)]));
+          p[k] = ok ? four[j] * scale : ninf;
+        }
       }
+      for (int64_t s = total; s < padded; ++s) p[s] = ninf;
+      __m256 mx8 = _mm256_set1_ps(ninf);
+      for (int64_t s = 0; s < padded; s += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(p.data() + s));
+      const float mx = hmax256(mx8);
       const __m256 mv = _mm256_set1_ps(mx);
       for (int64_t s = 0; s < padded; s += 8)
         _mm256_storeu_ps(p.data() + s, exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv)));
@@ -167,10 +212,7 @@ void attention_rows(const std::vector<AttnRow<C>>& rows, int64_t q_stride, int64
       float sum = 0.f;
       for (int64_t s = 0; s < total; ++s) sum += p[s];
       const float inv = 1.f / sum;
-      float* o = R.att + r * n_q * d + hh * d;
-      std::fill(o, o + d, 0.f);
-      for (int64_t s = 0; s < total; ++s)
-        if (p[s] != 0.f) axpy_d(p[s] * inv, vh + s * d, o, d);
+      weighted_values(p.data(), inv, vh, total, d, R.att + r * n_q * d + hh * d);
     }
   });
 }

@@ -82,6 +82,7 @@ class TreeProposer(TreeProposerBase):
         self.block_size = max(self.draft_depth, self.lookup_depth) + 1  # the engine's depth limit is block_size - 1
         self.max_nodes = 1 + (budget if budget is not None else max_budget)
         self._draft_s: float | None = None  # running mean of the draft forward's time, for the budget choice
+        self._cost_base: dict[tuple[bool, int], list[float]] = {}  # verify times per node count (`_costs`)
         self._lookups: list[list[int]] = []
         self._ngrams: list[int] = []  # the matched n-gram length of each lookup branch
         self._reset_rates()
@@ -155,7 +156,7 @@ class TreeProposer(TreeProposerBase):
             self._lookups, self._ngrams, conf = self._lookups[:1], self._ngrams[:1], conf[:1]
             return build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
                               max_depth=max_depth, sample=not sampling.greedy, generator=generator,
-                              choose=self.choose_chain_budget)
+                              costs=self._costs(0.0, budget, chain=True))
         if d_draft > 0:
             t0 = time.perf_counter()
             q = self.draft.distributions(tokens, d_draft, sampling)  # [D, V]
@@ -163,8 +164,8 @@ class TreeProposer(TreeProposerBase):
             self._draft_s = dt if self._draft_s is None else 0.8 * self._draft_s + 0.2 * dt
         self._q, self._greedy = q, sampling.greedy
         tree = build_tree(root, q, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
-                          max_depth=max_depth, sample=not sampling.greedy,
-                          choose=None if self.budget is not None else self.choose_budget, generator=generator,
+                          max_depth=max_depth, sample=not sampling.greedy, generator=generator,
+                          costs=None if self.budget is not None else self._costs(self._draft_s or 0.0, budget),
                           draft_scale=self.draft_scale() if sampling.greedy else None)
         if q is not None and self._lookups:
             drafted = ~tree.point_mass[1:]
@@ -176,23 +177,32 @@ class TreeProposer(TreeProposerBase):
     def _lookup_only(self, root: int, budget: int, conf: list[list[float]], max_depth: int) -> float:
         """The best expected tokens per second of a step without the draft: the first lookup branch alone (prompt
         lookup's own proposal), verified as a causal chain."""
-        seen: list[list[float]] = []
-        build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups[:1], lookup_conf=conf[:1],
-                   max_depth=max_depth, choose=lambda s: seen.append(s) or 0)
-        return self._best(seen[0], 0.0, chain=True)[1]
+        costs = self._costs(0.0, budget, chain=True)
+        t = build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups[:1], lookup_conf=conf[:1],
+                       max_depth=max_depth, costs=costs)
+        return t.expected / costs[t.num_nodes - 1]
 
     def _draft_pays(self, root: int, budget: int, conf: list[list[float]], max_depth: int) -> bool:
         """Whether running the draft is expected to raise tokens per second over the lookup branches alone."""
-        seen: list[list[float]] = []
-        build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
-                   max_depth=max_depth, choose=lambda s: seen.append(s) or 0)
-        b = self._best(seen[0], 0.0)[0]
+        t = build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
+                       max_depth=max_depth, costs=self._costs(0.0, budget))
+        b = t.num_nodes - 1
         rate = self._lookup_only(root, budget, conf, max_depth)
         gain, nodes = self._gain
         if self._measured is not None:
             gain = self._measured
         cost = (self._draft_s or 0.0) + self.verify_cost(1 + b + round(nodes))
-        return (1.0 + sum(seen[0][:b]) + gain) / cost > rate
+        return (t.expected + gain) / cost > rate
+
+    def _costs(self, fixed: float, budget: int, chain: bool = False) -> list[float]:
+        """[fixed + verify time of b nodes and the root] for b = 0..budget (build_tree's `costs`); the calibration's
+        values are read once per proposer."""
+        key = (chain, budget)
+        base = self._cost_base.get(key)
+        if base is None:
+            cost = getattr(self.verify_cost, "chain", self.verify_cost) if chain else self.verify_cost
+            base = self._cost_base[key] = [cost(b + 1) for b in range(budget + 1)]
+        return [fixed + c for c in base]
 
     def _best(self, scores: list[float], fixed: float, chain: bool = False) -> tuple[int, float]:
         """(b, rate): the number of best-first nodes that maximises expected tokens per second, and that rate;
