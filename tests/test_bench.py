@@ -228,3 +228,28 @@ def test_manifest_hashes_files_and_changes_with_them(tmp_path):
     man = run_manifest(command="x", draft=d, target_file=d / "config.json")
     assert man["draft_sha256"] == dir_sha256(d) and man["target_sha256"] == dir_sha256(d / "config.json")
     assert dir_sha256(None) is None and dir_sha256(tmp_path / "missing") is None
+
+
+def test_speedups_against_the_faster_llamacpp_plain_method():
+    from blockdraft.eval.report import render_report, summarize_records
+
+    tps = {"ar": [10.0, 20.0, 30.0], "dflash": [15.0, 20.0, 60.0], "llamacpp": [5.0, 8.0, 9.0],
+           "llamacpp-server": [8.0, 10.0, 12.0]}  # the server is the faster by median: every ratio is against it
+    records = [{"temperature": 0.0, "task": "math", "prompt_id": i, "turn": 0, "method": m, "new_tokens": 8,
+                "decode_tokens_per_s": v[i], "e2e_seconds": 1.0 / v[i], "accept_lengths": None, "match_ar": True}
+               for m, v in tps.items() for i in range(3)]
+    rows = {r["method"]: r for r in summarize_records(records, list(tps), {}, (0.0,))["0"]["rows"]}
+    assert rows["dflash"]["vs_llamacpp"]["against"] == "llamacpp-server"
+    assert rows["dflash"]["vs_llamacpp"]["median"] == pytest.approx(2.0)  # 15/8, 20/10, 60/12
+    assert rows["ar"]["vs_llamacpp"]["min"] == pytest.approx(1.25) and "vs_llamacpp" not in rows["llamacpp"]
+    results = {"machine": {"cpu": "x", "cpu_count": 2, "threads": 2, "torch": "t", "transformers": "t", "date": "d"},
+               "config": {"dtype": "bf16", "prompts": None, "tasks": ["math"], "n": 3, "max_new_tokens": 8,
+                          "block_size": None, "denoise_steps": 1, "seed": 0, "multi_turn": False},
+               "target": "t", "draft": "d", "methods": list(tps), "command": "c", "wall_seconds": 1.0, "notes": [],
+               "summary": summarize_records(records, list(tps), {}, (0.0,)), "files": []}
+    text = render_report(results)
+    assert "### Against llama.cpp's plain decoding (T=0)" in text
+    assert "| math | dflash | llamacpp-server | 2.00× [1.88–5.00] |" in text
+    no_llama = [r for r in records if not r["method"].startswith("llamacpp")]
+    rows = summarize_records(no_llama, ["ar", "dflash"], {}, (0.0,))["0"]["rows"]
+    assert all("vs_llamacpp" not in r for r in rows)

@@ -29,13 +29,35 @@ def summarize_records(records: list[dict], methods: list[str], block_sizes: dict
         for task, rs in groups:
             by_m = {m: {(r["task"], r["prompt_id"], r["turn"]): r for r in rs if r["method"] == m} for m in methods}
             ar = by_m["ar"]
+            first = len(rows)
             for m in methods:
                 mine = by_m[m]
                 if not mine:
                     continue
                 rows.append(_row(task, m, mine, ar, block_sizes.get(m)))
+            _against_llamacpp(rows[first:], by_m)
         out[_fmt_t(temp)] = {"temperature": temp, "tasks": tasks, "rows": rows}
     return out
+
+
+# llama.cpp decoding plainly on the target's own file: the reference a CPU user already has
+LLAMACPP_PLAIN = ("llamacpp", "llamacpp-server")
+
+
+def _against_llamacpp(rows: list[dict], by_m: dict) -> None:
+    """Give each of our methods' rows `vs_llamacpp`: its per-prompt decode tokens/s over that of the faster (by
+    median) of llama.cpp's plain methods in the run, paired by prompt; nothing when neither ran."""
+    plain = [m for m in LLAMACPP_PLAIN if by_m.get(m)]
+    if not plain:
+        return
+    tps = {m: {k: r["decode_tokens_per_s"] for k, r in by_m[m].items()} for m in plain}
+    ref = max(plain, key=lambda m: metrics.summarize(v for v in tps[m].values() if v is not None)["median"] or 0.0)
+    for row in rows:
+        if row["method"].startswith("llamacpp"):
+            continue
+        mine = {k: r["decode_tokens_per_s"] for k, r in by_m[row["method"]].items()}
+        if all(v is not None for v in mine.values()):
+            row["vs_llamacpp"] = dict(metrics.throughput_speedup(mine, tps[ref]), against=ref)
 
 
 def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -> dict:
@@ -135,6 +157,15 @@ def render_report(results: dict) -> str:
                          f"{_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
                          f"{_spd(r['decode_speedup'])} | {_spd(r['e2e_speedup'])} | {share} | {match} |")
         lines.append("")
+        vrows = [r for r in block["rows"] if r.get("vs_llamacpp")]
+        if vrows:
+            lines += [f"### Against llama.cpp's plain decoding (T={tkey})", "",
+                      "Decode tokens/s over that of the faster of llama.cpp's plain methods in this run (by median), "
+                      "paired per prompt: median [min–max].", "",
+                      "| task | method | against | decode speedup |", "|---|---|---|---|"]
+            lines += [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | {_spd(r['vs_llamacpp'])} |"
+                      for r in vrows]
+            lines.append("")
         lrows = [r for r in block["rows"] if r.get("llamacpp")]
         if lrows:
             lines += [f"### llama.cpp + our DFlash draft (T={tkey})", "",
