@@ -462,3 +462,20 @@ def test_native_tree_rows_equal_one_token_steps_along_their_paths(dtype, one_thr
                 one = target.forward(nodes[i].view(1, 1), c)
                 assert torch.equal(one.logits[0, 0], tree.logits[0, i]), (leaf, i)
                 assert torch.equal(one.features[0, 0], tree.features[0, i])
+
+
+def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from blockdraft import quant
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("old_build", quant.STALE_LOCK_SECONDS + 60, False), ("running_build", 5, True)):
+        lock = tmp_path / name / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        quant._clear_stale_build_lock(name)
+        assert lock.exists() == kept
+    quant._clear_stale_build_lock("never_built")  # no lock: nothing to do

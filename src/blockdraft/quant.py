@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +166,7 @@ def _load_kernels():
             # -mavx2 -mfma, not -march=native: a build cache may be shared by machines of different CPUs.
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the extension is built with it
             # (without, it silently runs on one thread); torch's own libgomp is already loaded and is reused.
+            _clear_stale_build_lock(f"blockdraft_qlinear_{digest}")
             _kernels = load(f"blockdraft_qlinear_{digest}", [str(f) for f in files if f.suffix == ".cpp"],
                             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                             extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)], verbose=False)
@@ -173,6 +175,25 @@ def _load_kernels():
             _kernel_reason = f"could not build the quantized kernels ({type(e).__name__}: {str(e)[:200]})"
             log.warning("%s; quantized weights run dequantized through F.linear", _kernel_reason)
         return _kernels
+
+
+STALE_LOCK_SECONDS = 900  # a build takes 1-2 minutes on 2 cores; a lock this old outlived the build that made it
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """Remove the lock file of an interrupted kernel build: torch's builder waits on it forever (no message), so a
+    build killed mid-way would hang every later start. A lock younger than STALE_LOCK_SECONDS is another process's
+    build still running and is left alone."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (ImportError, OSError):
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f min ago by an interrupted kernel build", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def quant_kernels():
