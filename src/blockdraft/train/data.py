@@ -403,15 +403,16 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
                on_batch: Callable[[list[dict]], None] | None = None, progress: bool = True,
                progress_interval: float = 1.0, lean: bool = True, weights=None) -> RegenReport:
     """Answer every prompt with the target and append {id, input_ids, loss_mask} records to
-    `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after each batch).
+    `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after every `batch_size` finished answers).
 
     Resumable: records already in `out_dir` are kept and their ids skipped; a partially written last line is
-    truncated. The batch plan depends only on `prompts` (length-sorted within windows), and a batch that is only
-    partly done is regenerated whole with only the missing records written, so an interrupted-then-resumed run
-    writes exactly the records of an uninterrupted one (sampling draws from a generator seeded per prompt).
-    Prompts over `max_prompt_tokens` are skipped (counted). `max_batches` stops after that many generated batches;
-    `on_batch(records)` is called after each write. The answers come from the decode engine, a batch of
-    `batch_size` rows per call (plain decoding); lean: on the target's fused path where its architecture has one;
+    truncated. Prompts are answered in an order that depends only on `prompts` (length-sorted within windows), up
+    to `batch_size` rows in the decode engine at once, refilled as answers finish; each answer is what the prompt
+    gets alone (sampling draws from a generator seeded per prompt), so an interrupted-then-resumed run writes the
+    records of an uninterrupted one (the order within a shard may differ).
+    Prompts over `max_prompt_tokens` are skipped (counted). `max_batches` stops after that many writes (answers in
+    flight then are dropped); `on_batch(records)` is called after each write. Plain decoding on the decode engine;
+    lean: on the target's fused path where its architecture has one;
     weights: the `quant.WeightPlan` that path holds (None: float weights).
     """
     from ..config import GenerationConfig, SamplingParams
@@ -448,36 +449,53 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
 
         bar = tqdm(total=remaining, unit="prompt", desc="regenerate", mininterval=progress_interval)
     t_gen = time.perf_counter()
+    # rows are refilled as they finish (a batch waiting on its longest answer would decode its last tokens a few rows
+    # at a time); each row is computed as it would be alone, so which rows share a step changes nothing
+    order = iter(i for batch in batches for i in batch if todo_ids[i] not in writer.done)
+    rows: dict = {}  # engine request id -> prompt index
+    records: list[dict] = []
+
+    def refill() -> None:
+        while len(rows) < batch_size and (max_batches is None or rep.batches < max_batches):
+            i = next(order, None)
+            if i is None:
+                return
+            # a prompt's draws depend on the run's seed and its own index only, not on the rows beside it
+            sampling = SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i)
+            rows[engine.add(tok[i], config, sampling, text=False)] = i
+
+    def flush() -> None:
+        writer.write(records)
+        rep.generated += len(records)
+        rep.batches += 1
+        if bar is not None:
+            bar.update(len(records))
+            bar.set_postfix(tok_s=f"{rep.new_tokens / max(time.perf_counter() - t_gen, 1e-9):.1f}", refresh=False)
+        if on_batch is not None:
+            on_batch(list(records))
+        records.clear()
+
     try:
-        for b, batch in enumerate(batches):
-            missing = [i for i in batch if todo_ids[i] not in writer.done]
-            if not missing:
-                continue
-            if max_batches is not None and rep.batches >= max_batches:
-                rep.stopped_early = True
-                break
-            # a prompt's draws depend on the run's seed and its own index only, not on its batch's other rows
-            sampling = [SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i) for i in batch]
-            out = [r.token_ids for r in engine.run([(tok[i], config, sampling[k]) for k, i in enumerate(batch)])]
-            records = []
-            for r, i in enumerate(batch):
-                if todo_ids[i] in writer.done:
+        refill()
+        while rows:
+            for ev in engine.step():
+                if not ev.finished:
                     continue
-                resp = out[r]
+                i = rows.pop(ev.request_id)
+                resp = ev.result.token_ids
                 cut = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))
                 resp = resp[:cut]
                 records.append({"id": todo_ids[i], "input_ids": tok[i] + resp,
                                 "loss_mask": [0] * len(tok[i]) + [1] * len(resp)})
                 rep.new_tokens += len(resp)
-            writer.write(records)
-            rep.generated += len(records)
-            rep.batches += 1
-            if bar is not None:
-                bar.update(len(records))
-                bar.set_postfix(tok_s=f"{rep.new_tokens / max(time.perf_counter() - t_gen, 1e-9):.1f}",
-                                refresh=False)
-            if on_batch is not None:
-                on_batch(records)
+                if len(records) == batch_size:
+                    flush()
+            if max_batches is not None and rep.batches >= max_batches:
+                rep.stopped_early = bool(rows) or next(order, None) is not None
+                break
+            refill()
+        if records:
+            flush()
     finally:
         writer.close()
         if bar is not None:
