@@ -13,7 +13,7 @@ from blockdraft.copy_gate import (GATE_WEIGHTS_NAME, CopyGate, LookupTables, gat
 from blockdraft.draft import DFlashConfig, DFlashDraftModel
 from blockdraft.decode.engine import Engine
 from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.proposers.lookup import lookup_continuation, lookup_table
+from blockdraft.ngram import lookup_continuation, lookup_table
 from conftest import naive_greedy, seeded, tiny_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")

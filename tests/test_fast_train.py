@@ -332,7 +332,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     The draft is trained for a few steps on the target's own text first, so that blocks get accepted. fp32 on both
     sides; the cache keeps features rounded to bf16, so a near-tie may flip a step: at most 1 in 10 may differ."""
     from blockdraft.config import GenerationConfig
-    from blockdraft.proposers.lookup import lookup_continuation, lookup_table
+    from blockdraft.ngram import lookup_continuation, lookup_table
     from blockdraft.draft import DFlashDraftModel
     from blockdraft.decode.engine import Engine
     from blockdraft.proposers.dflash import DFlashProposer

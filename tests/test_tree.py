@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockdraft.calibrate import VerifyCost, load_or_measure, measure_verify_cost, monotone
-from blockdraft.proposers.lookup import find_continuations
+from blockdraft.ngram import find_continuations
 from blockdraft.proposers.tree import TreeProposer
 from blockdraft.target import TargetModel
 from blockdraft.tree import MalformedTree, Tree, ancestor_mask, build_tree, check_tree

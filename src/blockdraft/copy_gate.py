@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .proposers.lookup import lookup_table
+from .ngram import lookup_table
 
 GATE_WEIGHTS_NAME = "copy_gate.safetensors"
 

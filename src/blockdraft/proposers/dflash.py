@@ -17,7 +17,7 @@ from ..lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ..target import TargetModel
 from . import Proposal, Proposer
-from .lookup import lookup_continuation
+from ..ngram import lookup_continuation
 
 
 ADAPT_EXPLORE_EVERY = 8  # with an adaptive width: steps without drafting before one full block is tried again

@@ -49,7 +49,7 @@ from ..config import SamplingParams
 from ..tree import Tree, build_tree
 from . import TreeProposerBase
 from .dflash import DFlashProposer
-from .lookup import find_continuations
+from ..ngram import find_continuations
 
 MAX_BUDGET = 63  # nodes below the root: verify widths up to 64, the calibrated range
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth two observations
