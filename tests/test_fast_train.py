@@ -266,6 +266,31 @@ def test_bool_flags_parse_strictly():
         parse_bool("maybe")
 
 
+def test_recipes_load_as_fast_configs_and_flags_override_them(tmp_path):
+    """Every shipped recipe names only FastConfig fields with values of the fields' types; a flag given on the
+    command line wins over the recipe; an unknown name is refused with the file's path."""
+    from pathlib import Path
+
+    from blockdraft.cli import build_parser, cmd_train_fast
+    from blockdraft.train.fast import FastConfig
+
+    recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        cfg = FastConfig.from_yaml(path)
+        assert isinstance(cfg.lr, float) and isinstance(cfg.steps, int)
+        assert all(isinstance(i, int) for i in cfg.layer_ids)
+    cfg = FastConfig.from_yaml(recipes[0], lr=1e-3, steps=None)
+    assert cfg.lr == 1e-3 and cfg.steps == FastConfig.from_yaml(recipes[0]).steps
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 10\nlearning_rate: 0.1\n")
+    with pytest.raises(ValueError, match="bad.yaml: unknown train-fast options \\['learning_rate'\\]"):
+        FastConfig.from_yaml(bad)
+    args = build_parser().parse_args(["train-fast", "--config", str(bad)])
+    with pytest.raises(ValueError, match="unknown train-fast options"):
+        cmd_train_fast(args)
+
+
 def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_path):
     """walk_tau over padded batches equals a per-sequence loop that predicts one block at a time at the anchors
     decoding would visit (start at the first response anchor, move past the accepted rows and the bonus token)."""

@@ -255,7 +255,7 @@ def cmd_train_fast(args) -> int:
     kw = {f.name: getattr(args, f.name) for f in fields(FastConfig) if getattr(args, f.name, None) is not None}
     if "layer_ids" in kw:
         kw["layer_ids"] = [int(x) for x in kw["layer_ids"].split(",")]
-    cfg = FastConfig(**kw)
+    cfg = FastConfig.from_yaml(args.config, **kw) if args.config else FastConfig(**kw)
     if not cfg.cache or not cfg.heldout_cache:
         raise ValueError("train-fast needs --cache DIR and --heldout-cache DIR (written by `blockdraft teacher-cache`)")
     log.info("fast training config: %s", cfg)
@@ -379,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "held-out records (CPU-fast path)")
     tf.add_argument("--target", default=None)
     tf.add_argument("--resume", action="store_true")
+    tf.add_argument("--config", default=None, help="a recipe (YAML of the options below, e.g. recipes/*.yaml); "
+                                                   "flags given here override it")
     _fast_args(tf)
     tf.set_defaults(func=cmd_train_fast)
 

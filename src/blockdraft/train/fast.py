@@ -23,7 +23,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,21 @@ class FastConfig:
     walk_block: int = 4  # the decode block of that walk (the default draft decodes with 4)
     save_every: int = 100
     threads: int = 2
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "FastConfig":
+        """A recipe file (YAML, FastConfig field names) with `overrides` (not None) on top; unknown names raise."""
+        import yaml
+
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a recipe is a mapping of FastConfig fields, got {type(raw).__name__}")
+        unknown = set(raw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown train-fast options {sorted(unknown)}")
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**raw)
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
