@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .config import cache_dir
 from .tree import ancestor_mask
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,6 @@ def _cpu_model() -> str:
 
 
 def calibration_path(target) -> Path:
-    from .loading import cache_dir
 
     return cache_dir() / "calibration" / f"verify-cost-{_key(target)}.json"
 

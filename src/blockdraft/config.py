@@ -1,9 +1,18 @@
-"""Typed configuration for decoding: sampling parameters and generation limits."""
+"""Typed configuration for decoding (sampling parameters, generation limits) and where the cache lives."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted targets, joined GGUFs, calibrations and built tools live: $BLOCKDRAFT_CACHE, else
+    ~/.cache/blockdraft."""
+    root = os.environ.get("BLOCKDRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blockdraft")
+    return Path(root)
 
 
 @dataclass(frozen=True)

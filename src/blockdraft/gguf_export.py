@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import cache_dir
+
 log = logging.getLogger(__name__)
 
 ARCH = "dflash"
@@ -338,8 +340,6 @@ def _stamp(paths) -> str:
 def cached_gguf(draft: str | Path | None, target: str | None, outtype: str = "bf16") -> Path:
     """The GGUF export of `draft` (or of the target, draft None) under the cache dir, written on first use and
     reused while the source files are unchanged: what the bench's llama.cpp methods run."""
-    from .loading import cache_dir
-
     gguf, _ = target_files(target)
     srcs = [gguf] + ([Path(draft) / "config.json", Path(draft) / "model.safetensors"] if draft is not None else [])
     stem = f"{gguf.stem}-{outtype}" if draft is None else f"{Path(draft).resolve().name}-{outtype}"

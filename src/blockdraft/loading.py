@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .config import cache_dir
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -37,12 +39,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
-
-
-def cache_dir() -> Path:
-    """Where converted targets live: $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft."""
-    root = os.environ.get("BLOCKDRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blockdraft")
-    return Path(root)
 
 
 def packaged_default_gguf() -> Path:

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..config import cache_dir
+
 SERVER = "llama-server"
 _COUNTERS = {  # Prometheus names (tools/server/server-task.cpp) -> record fields
     "llamacpp:spec_decode_num_draft_tokens_total": "drafted",
@@ -36,8 +38,6 @@ _COUNTERS = {  # Prometheus names (tools/server/server-task.cpp) -> record field
 
 def tools_dir() -> Path:
     """Where `make llamacpp` puts the llama.cpp binaries: $BLOCKDRAFT_LLAMACPP_BIN, else <cache dir>/llama.cpp/bin."""
-    from ..loading import cache_dir
-
     env = os.environ.get("BLOCKDRAFT_LLAMACPP_BIN")
     return Path(env) if env else cache_dir() / "llama.cpp" / "bin"
 
