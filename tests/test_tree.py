@@ -315,20 +315,29 @@ def test_find_continuations_returns_distinct_branches_most_recent_first():
 
 # ------------------------------------------------------------------------------------ calibration, budget choice
 def test_budget_choice_maximises_expected_tokens_per_second():
+    """The proposer's cost table (draft time + the calibration's verify time) under the rule build_tree applies
+    (`_best_count`, checked against build_tree above) keeps the node count with the best tokens per second."""
+
+    def choose(prop, scores, chain=False):
+        fixed = 0.0 if chain else prop._draft_s or 0.0
+        return _best_count(scores, prop._costs(fixed, len(scores), chain=chain))
+
     flat = VerifyCost([1.0] * 64)  # verifying more costs nothing: keep every node with a positive score
     prop = TreeProposer(None, lookup=True, verify_cost=flat)
-    assert prop.choose_budget([0.5, 0.2, 0.01]) == 3
+    assert choose(prop, [0.5, 0.2, 0.01]) == 3
     linear = VerifyCost([float(w) for w in range(1, 65)])  # cost grows with width like plain decoding
-    prop.verify_cost = linear
+    prop = TreeProposer(None, lookup=True, verify_cost=linear)
     # b nodes: (1 + sum s) / (b + 1) < 1 for scores < 1, so verifying nothing is best
-    assert prop.choose_budget([0.9, 0.8]) == 0
+    assert choose(prop, [0.9, 0.8]) == 0
     step = VerifyCost([1.0] * 8 + [2.0] * 56)  # a jump after 8 tokens: 7 nodes fit under it
-    prop.verify_cost = step
+    prop = TreeProposer(None, lookup=True, verify_cost=step)
     weak_tail = [0.3] * 7 + [0.05] * 13
-    assert prop.choose_budget(weak_tail) == 7  # 3.1 tokens per unit of time, against 3.75 / 2 with all 20
-    assert prop.choose_budget([0.3] * 20) == 20  # 7 tokens in 2 units beat 3.1 in 1
+    assert choose(prop, weak_tail) == 7  # 3.1 tokens per unit of time, against 3.75 / 2 with all 20
+    assert choose(prop, [0.3] * 20) == 20  # 7 tokens in 2 units beat 3.1 in 1
     prop._draft_s = 100.0  # a slow draft makes the verify cost negligible: verify all it drafted
-    assert prop.choose_budget(weak_tail) == 20
+    assert choose(prop, weak_tail) == 20
+    assert choose(prop, weak_tail, chain=True) == 7  # a lookup-only chain carries no draft time
+    assert prop._costs(1.5, 3) == [1.5 + step(b + 1) for b in range(4)]
     assert step(100) > step(64) and linear(1) == 1.0
 
 

@@ -204,26 +204,6 @@ class TreeProposer(TreeProposerBase):
             base = self._cost_base[key] = [cost(b + 1) for b in range(budget + 1)]
         return [fixed + c for c in base]
 
-    def _best(self, scores: list[float], fixed: float, chain: bool = False) -> tuple[int, float]:
-        """(b, rate): the number of best-first nodes that maximises expected tokens per second, and that rate;
-        chain: the nodes form one causal chain (costed by the calibration's chain curve when it has one)."""
-        cost = getattr(self.verify_cost, "chain", self.verify_cost) if chain else self.verify_cost
-        best_b, best_rate, expected = 0, 1.0 / (fixed + cost(1)), 1.0
-        for b, s in enumerate(scores, start=1):
-            expected += s
-            rate = expected / (fixed + cost(b + 1))
-            if rate > best_rate:
-                best_b, best_rate = b, rate
-        return best_b, best_rate
-
-    def choose_budget(self, scores: list[float]) -> int:
-        """scores of the candidate nodes in best-first (non-increasing) order -> how many to verify."""
-        return self._best(scores, self._draft_s or 0.0)[0]
-
-    def choose_chain_budget(self, scores: list[float]) -> int:
-        """The same for a lookup-only chain (no draft time, the chain verify cost)."""
-        return self._best(scores, 0.0, chain=True)[0]
-
     def draft_scale(self) -> list[float]:
         """Per draft depth: measured acceptance of the draft's nodes over their predicted acceptance (the draft's
         probability of the token), shrunk toward 1 by SCALE_PRIOR. An over-confident draft (this one is, where the
