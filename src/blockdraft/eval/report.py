@@ -123,6 +123,11 @@ def _spd(s: dict | None) -> str:
     return f"{s['median']:.2f}× [{s['min']:.2f}–{s['max']:.2f}]"
 
 
+def _section(title: str, caption: str, header: str, align: str, rows: list[str]) -> list[str]:
+    """One report table: its heading, caption, header and rows, each block followed by a blank line."""
+    return [title, "", caption, "", header, align, *rows, ""]
+
+
 def render_report(results: dict) -> str:
     m = results["machine"]
     cfg = results["config"]
@@ -159,13 +164,12 @@ def render_report(results: dict) -> str:
         lines.append("")
         vrows = [r for r in block["rows"] if r.get("vs_llamacpp")]
         if vrows:
-            lines += [f"### Against llama.cpp's plain decoding (T={tkey})", "",
-                      "Decode tokens/s over that of the faster of llama.cpp's plain methods in this run (by median), "
-                      "paired per prompt: median [min–max].", "",
-                      "| task | method | against | decode speedup |", "|---|---|---|---|"]
-            lines += [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | {_spd(r['vs_llamacpp'])} |"
-                      for r in vrows]
-            lines.append("")
+            lines += _section(f"### Against llama.cpp's plain decoding (T={tkey})",
+                              "Decode tokens/s over that of the faster of llama.cpp's plain methods in this run (by "
+                              "median), paired per prompt: median [min–max].",
+                              "| task | method | against | decode speedup |", "|---|---|---|---|",
+                              [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | "
+                               f"{_spd(r['vs_llamacpp'])} |" for r in vrows])
         lrows = [r for r in block["rows"] if r.get("llamacpp")]
         if lrows:
             lines += [f"### llama.cpp + our DFlash draft (T={tkey})", "",
@@ -195,13 +199,12 @@ def render_report(results: dict) -> str:
             lines.append("")
         trows = [r for r in block["rows"] if r.get("tree_nodes_mean") is not None]
         if trows:
-            lines += [f"### Tree verification (T={tkey})", "",
-                      "Candidate nodes verified per step (the root excluded), tokens committed per step, and the "
-                      "share of steps that verified lookup branches without running the draft.", "",
-                      "| task | method | nodes per step | tau | draft skipped |", "|---|---|---:|---:|---:|"]
-            lines += [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} | "
-                      f"{_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows]
-            lines.append("")
+            lines += _section(f"### Tree verification (T={tkey})",
+                              "Candidate nodes verified per step (the root excluded), tokens committed per step, and "
+                              "the share of steps that verified lookup branches without running the draft.",
+                              "| task | method | nodes per step | tau | draft skipped |", "|---|---|---:|---:|---:|",
+                              [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} | "
+                               f"{_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows])
         for meth in DRAFTING_METHODS:
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
             if not rows:
