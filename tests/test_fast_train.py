@@ -437,3 +437,26 @@ def test_batch_next_ids_are_the_tokens_after_each_position(tiny_target, tmp_path
     assert torch.equal(got[..., -h:], tiny_target.embed(b.next_ids).to(got.dtype))
     scaled = fused_inputs(draft.with_next_token_feature(scale=3.0), tiny_target, b)
     assert torch.equal(scaled[..., -h:], 3.0 * tiny_target.embed(b.next_ids).to(got.dtype))
+
+
+def test_precision_reaches_the_training_step_and_auto_follows_the_cpu(tiny_target, tmp_path, monkeypatch):
+    from blockdraft.train import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    assert precision.compute_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
+    assert precision.compute_dtype("auto") == torch.float32
+    with pytest.raises(ValueError, match="precision"):
+        precision.compute_dtype("fp16")
+    recs = _records(8, seed=2)
+    build_teacher_cache(tiny_target, recs[:6], tmp_path / "tc", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs[6:], tmp_path / "held", [1, 3], topk=4)
+    weights = {}
+    for name, prec in (("a", "fp32"), ("b", "fp32"), ("c", "bf16")):
+        with seeded(0):
+            train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / name), steps=2, precision=prec), tiny_target)
+        weights[name] = torch.load(tmp_path / name / "state.pt", weights_only=False)["draft"]
+    # fp32 is deterministic; bf16 autocast rounds the matmuls, so the same seeded steps land elsewhere
+    for k, v in weights["a"].items():
+        torch.testing.assert_close(weights["b"][k], v, atol=0, rtol=0)
+    assert any(not torch.equal(weights["c"][k], v) for k, v in weights["a"].items())

@@ -185,7 +185,10 @@ def cmd_features(args) -> int:
     from .train.features import precompute_features
     from .train.trainer import load_records
 
-    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
+    from .train.precision import compute_dtype, dtype_name
+
+    # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
+    target, _ = load_target(args.target, dtype_name(compute_dtype(args.dtype)), weights="bf16")
     draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
     layer_ids = (draft_cls.from_pretrained(args.draft).config.target_layer_ids if args.draft
                  else [int(x) for x in args.layer_ids.split(",")])
@@ -239,7 +242,13 @@ def cmd_teacher_cache(args) -> int:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     records = load_records(args.data)[: args.limit]
-    layers = [int(x) for x in args.layer_ids.split(",")]
+    if args.layer_ids:
+        layers = [int(x) for x in args.layer_ids.split(",")]
+    else:
+        from .draft_config import default_target_layer_ids
+
+        tc = getattr(target.config, "text_config", None) or target.config
+        layers = default_target_layer_ids(int(tc.num_hidden_layers), 6)
     out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len)
     print(json.dumps({"out": str(out), "records": len(records), "layer_ids": layers}))
     return 0
@@ -271,7 +280,9 @@ def _fast_args(t: argparse.ArgumentParser) -> None:
     from .train.fast import FastConfig, parse_bool
 
     for f in fields(FastConfig):
-        default = f.default if f.default is not MISSING else "1,27"
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if f.name == "layer_ids":
+            default = "a continued draft's, else 2 spread over the target's depth"
         kind = {"int": int, "float": float, "int | None": int, "bool": parse_bool}.get(str(f.type), str)
         t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
                        help=f"(default {default})")
@@ -366,13 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--target", default=None)
     tc.add_argument("--data", required=True, help="JSONL shard directory or packed .npz of records")
     tc.add_argument("--out", required=True)
-    tc.add_argument("--layer-ids", default="1,9,18,24,27,29", help="target layers to store (a superset of the "
-                                                                    "draft's)")
+    tc.add_argument("--layer-ids", default=None, help="target layers to store, comma-separated (a superset of the "
+                                                      "draft's; default: 6 spread over the target's depth)")
     tc.add_argument("--topk", type=int, default=16)
     tc.add_argument("--max-len", type=int, default=512)
     tc.add_argument("--limit", type=int, default=None, help="first N records only")
     tc.add_argument("--threads", type=int, default=None)
-    tc.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    tc.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="the prefill's float type (auto: bf16 where the CPU multiplies it natively, else fp32; the "
+                         "cache stores bf16 features either way)")
     tc.set_defaults(func=cmd_teacher_cache)
 
     tf = sub.add_parser("train-fast", help="train a DFlash draft on teacher caches, with a learning curve against "

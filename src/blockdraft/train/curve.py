@@ -14,6 +14,7 @@ from ..copy_gate import LookupTables
 from ..draft import DFlashDraftModel
 from .batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward
+from .precision import autocast
 from .teacher import TeacherCache, TeacherSequence
 
 if TYPE_CHECKING:
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence],
              anchor_lists: list[np.ndarray], cols: np.ndarray, max_len: int, batch_seqs: int = 8,
-             block: int | None = None, tables: LookupTables | None = None) -> dict:
+             block: int | None = None, tables: LookupTables | None = None,
+             dtype: torch.dtype = torch.bfloat16) -> dict:
     """Held-out top-1 accuracy per block position (teacher-forced: the draft's argmax vs the target's greedy token)
     and the tau it implies for decode block sizes 2, 4, 8, 16: 1 + mean over blocks of the number of leading rows
     the draft got right (what greedy verification would accept), capped at b - 1. block: rows per evaluated
-    block (default: the draft's block size)."""
+    block (default: the draft's block size). dtype: the compute dtype (bf16 = under autocast, as training runs)."""
     block = block or draft.config.block_size
     tables = _tables(draft, tables)
     was = draft.training
@@ -38,7 +40,7 @@ def evaluate(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
     for s in range(0, len(seqs), batch_seqs):
         b = make_batch(seqs[s:s + batch_seqs], anchor_lists[s:s + batch_seqs], block, draft.mask_token_id, cols,
                        max_len, with_topk=False)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(dtype):
             embeds = target.embed(b.block_ids)
             hidden = block_forward(draft, fused_inputs(draft, target, b), b.ctx_len, embeds, b.anchors, block)
             pred = _predict(head, hidden, b, tables, seqs[s:s + batch_seqs], anchor_lists[s:s + batch_seqs], block,
@@ -85,7 +87,7 @@ def walk_lengths(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Te
         b = make_batch(part, anchors, block, draft.mask_token_id, cols, max_len, with_topk=False)
         feats = fused_inputs(draft, target, b)
         feats = feats if dtype == torch.bfloat16 else feats.to(dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with autocast(dtype):
             hidden = block_forward(draft, feats, b.ctx_len, target.embed(b.block_ids), b.anchors, block)
             pred = _predict(head, hidden, b, tables, part, anchors, block, max_len)
         hit = ((pred == b.labels) & (b.labels >= 0)).view(len(part), -1, block)
@@ -122,12 +124,14 @@ def _predict(head: DraftHead, hidden: torch.Tensor, b, tables: LookupTables | No
 
 
 def walk_tau(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[TeacherSequence], cols: np.ndarray,
-             max_len: int, block: int = 4, batch_seqs: int = 4, tables: LookupTables | None = None) -> dict:
+             max_len: int, block: int = 4, batch_seqs: int = 4, tables: LookupTables | None = None,
+             dtype: torch.dtype = torch.bfloat16) -> dict:
     """`walk_lengths` summarised. Unlike `evaluate` (anchors drawn uniformly), the anchors here are the ones real
     decoding visits: right after a rejection, where text is harder. On the engine's own output text the walk
     reproduces real decoding step for step (tested); on the default target it gave tau 1.621 vs the engine's 1.619
     over `heldout_tau.py`'s 12 prompts. -> {"walk_tau", "walk_acc1", "walk_steps"}."""
-    steps = [x for seq in walk_lengths(draft, target, head, seqs, cols, max_len, block, batch_seqs, tables=tables)
+    steps = [x for seq in walk_lengths(draft, target, head, seqs, cols, max_len, block, batch_seqs, dtype=dtype,
+                                                 tables=tables)
              for x in seq]
     n = len(steps)
     return {"walk_tau": round(sum(c for c, _ in steps) / max(1, n), 4),

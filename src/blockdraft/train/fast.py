@@ -23,7 +23,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +32,11 @@ import torch.nn.functional as F
 
 from ..copy_gate import LookupTables
 from ..draft import DFlashConfig, DFlashDraftModel
+from ..draft_config import default_target_layer_ids
 from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
 from .curve import evaluate, heldout_anchors, walk_tau  # noqa: F401 (re-exported)
+from .precision import autocast, compute_dtype, dtype_name
 from .teacher import TeacherCache
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class FastConfig:
     cache: str = ""  # teacher cache(s) of the training records, comma-separated (sequences drawn from their union)
     heldout_cache: str = ""  # teacher cache of held-out records (learning curve)
     out_dir: str = "runs/fast"
-    layer_ids: list[int] = field(default_factory=lambda: [1, 27])  # tapped target layers fed to the fusion
+    layer_ids: list[int] | None = None  # tapped target layers fed to the fusion (default: a continued draft's, else
+    #                                     two spread over the target's depth, `default_target_layer_ids`)
     num_layers: int = 2  # draft layers; a continued draft with fewer gets identity-initialised layers appended
     init: str = "target"  # "target" (copy the target's last layers), "target-identity" (the same with zeroed output
     #                        maps), "random", or a draft directory to continue
@@ -85,7 +88,8 @@ class FastConfig:
     walk_seqs: int = 16  # held-out sequences decoded by a teacher-forced walk (`walk_tau`; 0 = off)
     walk_block: int = 4  # the decode block of that walk (the default draft decodes with 4)
     save_every: int = 100
-    threads: int = 2
+    threads: int = 0  # torch threads (0 = torch's default)
+    precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 only where the CPU multiplies it natively
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "FastConfig":
@@ -182,6 +186,20 @@ def frequent_greedy_tokens(cache: TeacherCache | list[TeacherCache], n: int, voc
     return score.topk(n).indices.sort().values
 
 
+def resolve_layer_ids(cfg: FastConfig, target) -> FastConfig:
+    """cfg with layer_ids filled in when unset: a continued draft's own, else two layers spread over the target's
+    depth (layers 1 and L-3)."""
+    if cfg.layer_ids is not None:
+        return cfg
+    if cfg.init not in ("target", "target-identity", "random"):
+        ids = DFlashDraftModel.from_pretrained(cfg.init, dtype=torch.float32).config.target_layer_ids
+    else:
+        tc = getattr(target.config, "text_config", None) or target.config
+        ids = default_target_layer_ids(int(tc.num_hidden_layers), 2)
+    log.info("target layers for the fusion: %s", ids)
+    return replace(cfg, layer_ids=list(ids))
+
+
 def make_fast_draft(cfg: FastConfig, target, cache: TeacherCache | list[TeacherCache]) -> DFlashDraftModel:
     from ..loading import default_mask_token_id
 
@@ -264,7 +282,11 @@ def _save_state(out: Path, draft, opt, state: dict) -> None:
 def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
     """Train (or resume) a draft from teacher caches; writes out_dir/{curve.jsonl, state.pt, draft/} and returns
     the last evaluation."""
-    torch.set_num_threads(cfg.threads)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cfg = resolve_layer_ids(cfg, target)
+    dtype = compute_dtype(cfg.precision)
+    log.info("computing in %s (precision %s)", dtype_name(dtype), cfg.precision)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     caches = [TeacherCache(c) for c in cfg.cache.split(",") if c.strip()]
@@ -324,10 +346,10 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
 
     def log_eval(extra: dict) -> dict:
         ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block,
-                      tables=tables)
+                      tables=tables, dtype=dtype)
         if cfg.walk_seqs:
             ev.update(walk_tau(draft, target, head, held_seqs[: cfg.walk_seqs], cols, cfg.max_len, cfg.walk_block,
-                               tables=tables))
+                               tables=tables, dtype=dtype))
         if draft.copy_gate is not None:
             ev["gate_table"] = [[round(x, 3) for x in r[: cfg.eval_block]] for r in draft.copy_gate.table.tolist()]
         entry = {"step": state["step"], "minutes": round(state["train_seconds"] / 60, 3), "rows": state["rows"],
@@ -370,7 +392,7 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
             grp["lr"] = (lr_at(step, cfg) if grp.get("role") != "gate"
                          else cfg.copy_gate_lr * min(1.0, (step + 1) / max(1, cfg.warmup)))
         copy = tables.rows(seqs, anchor_lists, cfg.train_block, cfg.max_len) if tables is not None else None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(dtype):
             loss, correct, counted = batch_loss(draft, target, head, batch, cfg, copy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
