@@ -185,10 +185,7 @@ def cmd_features(args) -> int:
     from .train.features import precompute_features
     from .train.trainer import load_records
 
-    from .train.precision import compute_dtype, dtype_name
-
-    # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
-    target, _ = load_target(args.target, dtype_name(compute_dtype(args.dtype)), weights="bf16")
+    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
     layer_ids = (draft_cls.from_pretrained(args.draft).config.target_layer_ids if args.draft
                  else [int(x) for x in args.layer_ids.split(",")])
@@ -240,7 +237,10 @@ def cmd_teacher_cache(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
+    from .train.precision import compute_dtype, dtype_name
+
+    # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
+    target, _ = load_target(args.target, dtype_name(compute_dtype(args.dtype)), weights="bf16")
     records = load_records(args.data)[: args.limit]
     if args.layer_ids:
         layers = [int(x) for x in args.layer_ids.split(",")]
