@@ -61,7 +61,7 @@ llamacpp: llamacpp-tools
 
 # llama.cpp's own tools only (llama-server: the bench's `llamacpp-server*` and `llamacpp-dflash*` methods), ~22 min
 llamacpp-tools: setup
-	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary :all: \
+	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary llama-cpp-python \
 		'llama-cpp-python==$(LLAMACPP_VERSION)' -d cache/llamacpp
 	test -d $(LLAMACPP_SRC) || tar xzf $(LLAMACPP_SDIST) -C cache/llamacpp
 	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \

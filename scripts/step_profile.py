@@ -4,7 +4,9 @@ A step is `TargetModel.forward` over W new tokens after `--context` cached posit
 the draft's tapped layers included), the cache cropped back after each. Configurations:
 - `bf16-python`: float weights through lean.py's Python layers (the path before quantized weights);
 - `auto-python`: the GGUF's own 4/8-bit blocks through the same Python layers;
-- `auto-native`: the same weights through the native stack (csrc/decoder.cpp), what decoding uses.
+- `auto-native`: the same weights through the native stack (csrc/decoder.cpp), what decoding uses (on the best
+  kernels this CPU has: AVX512-VNNI where it has them);
+- `auto-native-avx2`: the same with the AVX2 kernels (the same bits, fewer multiply-adds per instruction).
 Each configuration runs `--reps` timed steps per round, rounds rotate the order, the median is reported; one
 `torch.profiler` table per configuration (W = 1) shows where the time goes.
 
@@ -23,6 +25,7 @@ import torch
 
 from blockdraft.eval.bench import machine_info
 from blockdraft.loading import load_target
+from blockdraft.quant import quant_kernels
 from blockdraft.target import TargetModel
 
 
@@ -48,7 +51,10 @@ def main() -> int:
     python = TargetModel(auto.hf, auto.tokenizer, layer_ids=taps, weights=auto.weights)
     python.lean.native = None  # the same quantized weights through the Python layers
     bf16 = TargetModel(auto.hf, auto.tokenizer, layer_ids=taps)
-    configs = {"bf16-python": bf16, "auto-python": python, "auto-native": auto}
+    configs = {"bf16-python": bf16, "auto-python": python, "auto-native": auto, "auto-native-avx2": auto}
+    kernels = quant_kernels()
+    best_isa = kernels.kernel_isa() if kernels is not None else None
+    isa = {"auto-native-avx2": "avx2"}
     configs = {name: configs[name] for name in args.paths.split(",")}
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, auto.vocab_size, (1, args.context), generator=gen)
@@ -56,9 +62,13 @@ def main() -> int:
     for name, t in configs.items():
         caches[name] = t.new_decode_cache(args.context + max(widths) + 8)
         t.forward(prompt, caches[name], last_only=True)
+    if best_isa is not None:
+        print(f"kernels: {best_isa} (auto-native), avx2 (auto-native-avx2)")
 
     def step(name: str, w: int) -> float:
         t, c = configs[name], caches[name]
+        if kernels is not None:
+            kernels.set_kernel_isa(isa.get(name, best_isa))
         ids = torch.randint(0, auto.vocab_size, (1, w), generator=gen)
         t0 = time.perf_counter()
         t.forward(ids, c)
@@ -94,7 +104,7 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": "scripts/step_profile.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
-            "machine": machine_info(), "weights": auto.weights.describe(), "ms": table,
+            "machine": machine_info(), "weights": auto.weights.describe(), "kernel_isa": best_isa, "ms": table,
             "profiles": profiles}, indent=1))
         print(f"wrote {out}")
     return 0

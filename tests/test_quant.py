@@ -21,6 +21,24 @@ pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
                                 reason=f"no quantized kernels: {quant.kernel_status()}")
 
 
+def _isas() -> list[str]:
+    """The kernel instruction sets this CPU runs: AVX2 always, AVX512-VNNI where it has them."""
+    k = quant.quant_kernels()
+    return ["avx2"] + (["avx512-vnni"] if k is not None and k.cpu_has_vnni() else [])
+
+
+@pytest.fixture(params=["avx2", "avx512-vnni"])
+def isa(request):
+    """Run the test on one kernel instruction set (skipped where the CPU lacks it), then restore the default."""
+    if request.param not in _isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    k = quant.quant_kernels()
+    before = k.kernel_isa()
+    k.set_kernel_isa(request.param)
+    yield request.param
+    k.set_kernel_isa(before)
+
+
 def _activations(x: torch.Tensor):
     """What the kernels do to x [M, K]: per block of 32, scale = max|x| / 127 and int8 codes round(x / scale), both
     in float32 as the kernel computes them; plus each block's exact sum."""
@@ -64,14 +82,14 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator, half_scales: bool 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_kernel_matches_naive_reference(kind, dtype, half_scales):
+def test_kernel_matches_naive_reference(kind, dtype, half_scales, isa):
     gen = torch.Generator().manual_seed(0)
-    # K = 224 = 7 blocks; N = 37 leaves the last panel of 8 columns part-filled; rows go in groups of up to 4, so
-    # m = 1, 3, 6, 16 take every group size
+    # K = 224 = 7 blocks; N = 37 leaves the last panel of 8 columns part-filled; rows go in groups of up to 4
+    # (AVX2) or 8 (VNNI), so m = 1, 3, 6, 16, 21 take every group size of both
     w = _weights(kind, 37, 224, gen, half_scales)
     bias = torch.randn(37, generator=gen)
     lin = QuantLinear(w, bias)
-    for m in (1, 3, 6, 16):
+    for m in (1, 3, 6, 16, 21):
         x = torch.randn(m, 224, generator=gen).to(dtype)
         y = lin(x)
         assert y.dtype == dtype and y.shape == (m, 37)
@@ -85,13 +103,13 @@ def test_kernel_matches_naive_reference(kind, dtype, half_scales):
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales):
+def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales, isa):
     gen = torch.Generator().manual_seed(1)
     lin = QuantLinear(_weights(kind, 99, 96, gen, half_scales))
     assert lin.native().scale_bits == (16 if half_scales else 32)
-    x = torch.randn(11, 96, generator=gen)
+    x = torch.randn(19, 96, generator=gen)
     full = lin(x)
-    for i in (0, 4, 10):
+    for i in (0, 4, 10, 18):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])  # bitwise: the exactness of speculative decoding rests on it
     assert torch.equal(lin(x[3:8]), full[3:8])
     n = torch.get_num_threads()
@@ -100,6 +118,38 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales):
         assert torch.equal(lin(x), full)
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_instruction_sets_give_the_same_bits(kind, dtype):
+    # a machine with VNNI and one without decode the same tokens: the integer dot products are exact either way and
+    # every float operation after them is the same
+    if len(_isas()) < 2:
+        pytest.skip("this CPU has no AVX512-VNNI: there is one instruction set to run")
+    k = quant.quant_kernels()
+    gen = torch.Generator().manual_seed(2)
+    lin = QuantLinear(_weights(kind, 37, 224, gen, True), torch.randn(37, generator=gen))
+    x = (torch.randn(21, 224, generator=gen) * 4).to(dtype)
+    before = k.kernel_isa()
+    try:
+        outs = {}
+        for name in _isas():
+            k.set_kernel_isa(name)
+            outs[name] = lin(x)
+    finally:
+        k.set_kernel_isa(before)
+    assert torch.equal(outs["avx2"], outs["avx512-vnni"])
+
+
+def test_kernel_instruction_set_is_chosen_and_can_be_forced():
+    k = quant.quant_kernels()
+    assert k.kernel_isa() in _isas()
+    with pytest.raises(RuntimeError, match="must be 'avx2' or 'avx512-vnni'"):
+        k.set_kernel_isa("sse2")
+    if "avx512-vnni" not in _isas():
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            k.set_kernel_isa("avx512-vnni")
 
 
 def test_kernel_refuses_bad_shapes():

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .config import cache_dir
+from .quant import kernel_isa
 from .tree import ancestor_mask
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def _key(target) -> str:
              getattr(cfg, "num_key_value_heads", ""), str(target.dtype), str(target.device),
              "lean" if target.lean is not None else "hf", torch.get_num_threads(), torch.__version__,
              getattr(getattr(target, "weights", None), "mode", "bf16"),
-             platform.processor() or platform.machine(), _cpu_model(), "tree-mask+chain"]
+             platform.processor() or platform.machine(), _cpu_model(), kernel_isa(), "tree-mask+chain"]
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 

@@ -143,7 +143,8 @@ _kernel_lock = threading.Lock()
 
 
 def _load_kernels():
-    """Compile (once per machine; torch caches the build) and import the AVX2 kernels; None + a reason if not."""
+    """Compile (once per machine; torch caches the build) and import the kernels (AVX2, and AVX512-VNNI variants
+    chosen at run time on CPUs that have them); None + a reason if not."""
     global _kernels, _kernel_reason
     with _kernel_lock:
         if _kernels is not None or _kernel_reason != "not loaded yet":
@@ -199,6 +200,13 @@ def _clear_stale_build_lock(name: str) -> None:
 def quant_kernels():
     """The compiled kernel module (make_qlin, the native Decoder), or None (see kernel_status)."""
     return _load_kernels()
+
+
+def kernel_isa(build: bool = False) -> str | None:
+    """The instruction set the quantized products run on ('avx512-vnni' or 'avx2'; both give the same bits), or
+    None when the kernels are not loaded (build=True loads them first, compiling them if needed)."""
+    k = _load_kernels() if build else _kernels
+    return k.kernel_isa() if k is not None else None
 
 
 def kernel_status() -> str | None:

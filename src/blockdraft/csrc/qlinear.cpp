@@ -34,5 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_qlin", &make_qlin,
         "a quantized linear, packed for the kernels: (bits 4: codes uint8 [N, K/2], scale and offset [N, K/32] | "
         "bits 8: codes int8 [N, K], scale [N, K/16], offset None), bias [N] or None");
+  m.def("kernel_isa", [] { return kernel_isa() == Isa::kVnni ? "avx512-vnni" : "avx2"; },
+        "the instruction set the quantized products use now");
+  m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU runs the AVX512-VNNI kernels");
+  m.def("set_kernel_isa", [](const std::string& name) {
+          TORCH_CHECK(name == "avx2" || name == "avx512-vnni", "kernel ISA must be 'avx2' or 'avx512-vnni'");
+          TORCH_CHECK(name == "avx2" || cpu_has_vnni(), "this CPU has no AVX512-VNNI");
+          isa_slot().store(static_cast<int>(name == "avx2" ? Isa::kAvx2 : Isa::kVnni));
+        }, "use these kernels from now on (both give the same bits; for tests and measurements)");
   register_decoder(m);
 }

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -156,6 +158,27 @@ inline Q4Packed pack_q4(const torch::Tensor& qw, const torch::Tensor& d, const t
   return p;
 }
 
+// out[r] = acc[r] + the offset terms of row + r. They need no codes: a second pass keeps the main loop's registers for
+// the codes. Its rows run side by side (2R independent chains of multiply-adds instead of 2 at a time, the scales
+// loaded once for all rows); each row's chain is the same sequence of operations as alone, so the result does not
+// depend on R.
+template <int R, typename S>
+inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, int64_t row, const __m256* acc,
+                       __m256* out) {
+  const __m256 eight = _mm256_set1_ps(8.f);
+  __m256 offp[R], offn[R];
+  for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm256_setzero_ps();
+  const float *xs = x.xs.data() + row * g, *dxs8 = x.dxs8.data() + row * g;
+  for (int64_t b = 0; b < g; ++b) {
+    const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(eight, d8, load_scales(po + b * kPanel));
+    for (int r = 0; r < R; ++r) {
+      offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r * g + b]), offp[r]);
+      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(dxs8[r * g + b]), offn[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp[r], offn[r]));
+}
+
 // R rows x one panel: out[r] = the 8 columns' dot products with row r. Per block, with the codes centred,
 // w = d (c - 8) + (o + 8d): dot(w, x) = d dx (dot(c, xq) - 8 sum(xq)) + (o + 8d) sum(x). Centring halves the span
 // the integer part covers, so quantizing x costs half the error it would with d c + o. The integer dot of a block
@@ -185,21 +208,7 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
     }
   }
-  // the offset terms need no codes: a second pass keeps the main loop's registers for the codes. Its rows run
-  // side by side (2R independent chains of multiply-adds instead of 2 at a time, the scales loaded once for all
-  // rows); each row's chain is the same sequence of operations as alone, so the result does not depend on R.
-  const __m256 eight = _mm256_set1_ps(8.f);
-  __m256 offp[R], offn[R];
-  for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm256_setzero_ps();
-  const float *xs = x.xs.data() + row * g, *dxs8 = x.dxs8.data() + row * g;
-  for (int64_t b = 0; b < g; ++b) {
-    const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(eight, d8, load_scales(po + b * kPanel));
-    for (int r = 0; r < R; ++r) {
-      offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r * g + b]), offp[r]);
-      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(dxs8[r * g + b]), offn[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp[r], offn[r]));
+  q4_offsets<R>(pd, po, g, x, row, acc, out);
 }
 
 // ------------------------------------------------------------------------------------------------------- q8
@@ -269,7 +278,100 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// --------------------------------------------------------------------------------------------- the products
+
+// ------------------------------------------------------------------------------------- AVX512-VNNI variants
+// On CPUs with AVX512-VNNI (AMD Zen 4 and later, Intel Ice Lake / Sapphire Rapids and later) one vpdpbusd
+// multiplies 32 unsigned by signed bytes and adds them, in groups of 4, into 8 int32 lanes: the work of AVX2's
+// maddubs + add + madd chain in one instruction, exact (no int16 stage). The extra vector registers of AVX-512 let
+// one unpacked weight register serve up to 8 rows. The same panels as the AVX2 kernels; every integer dot product is
+// the same exact value and every float operation after it is the same, so both instruction sets give the same bits.
+// They are compiled for that target per function (the build stays portable) and chosen at run time (`kernel_isa`).
+#define BLOCKDRAFT_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+enum class Isa : int { kAvx2 = 0, kVnni = 1 };
+
+inline bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+// The instruction set the products use: the best this CPU has, unless BLOCKDRAFT_KERNEL_ISA=avx2 (or set_kernel_isa)
+// asks for AVX2.
+inline std::atomic<int>& isa_slot() {
+  static std::atomic<int> isa([] {
+    const char* env = std::getenv("BLOCKDRAFT_KERNEL_ISA");
+    const bool want_avx2 = env != nullptr && std::strcmp(env, "avx2") == 0;
+    return static_cast<int>(!want_avx2 && cpu_has_vnni() ? Isa::kVnni : Isa::kAvx2);
+  }());
+  return isa;
+}
+inline Isa kernel_isa() { return static_cast<Isa>(isa_slot().load(std::memory_order_relaxed)); }
+
+constexpr int64_t kGroupRowsVnni = 8;  // rows per weight register: 8 accumulators and 8 codes fit 32 registers
+
+template <int R, typename S>
+BLOCKDRAFT_VNNI inline void q4_panel_vnni(const uint8_t* pc, const S* pd, const S* po, int64_t g,
+                                          const QuantRows& x, int64_t row, __m256* out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pd + b * kPanel + kPrefetch / 8), _MM_HINT_T0);
+    __m256i w[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
+      w[t] = _mm256_and_si256(raw, m4);
+      w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    }
+    const __m256 d8 = load_scales(pd + b * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      // two chains: each vpdpbusd waits on the one before it in its chain
+      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], bcast4(xb));
+      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast4(xb + 4));
+      for (int j = 2; j < 8; j += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, w[j], bcast4(xb + 4 * j));
+        s1 = _mm256_dpbusd_epi32(s1, w[j + 1], bcast4(xb + 4 * j + 4));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
+    }
+  }
+  q4_offsets<R>(pd, po, g, x, row, acc, out);
+}
+
+template <int R, typename S>
+BLOCKDRAFT_VNNI inline void q8_panel_vnni(const int8_t* pc, const S* ps, int64_t g, const QuantRows& x, int64_t row,
+                                          __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    __m256i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ps + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |c| as unsigned bytes; the signs move onto x
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_sign_epi8(bcast4(x.xq.data() + (row + r) * x.k + b * kBlock + 4 * j), w);
+        if (j < 4) lo[r] = _mm256_dpbusd_epi32(lo[r], aw, xv);
+        else hi[r] = _mm256_dpbusd_epi32(hi[r], aw, xv);
+      }
+    }
+    const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
 template <typename U>
 inline void store_panel(const __m256& v, const float* bias, int64_t col, int64_t n, U* y) {
   alignas(32) float tmp[kPanel];
@@ -277,6 +379,42 @@ inline void store_panel(const __m256& v, const float* bias, int64_t col, int64_t
   const int64_t cols = std::min<int64_t>(kPanel, n - col);
   for (int64_t c = 0; c < cols; ++c) y[col + c] = static_cast<U>(tmp[c] + (bias ? bias[col + c] : 0.f));
 }
+
+// panels [begin, end) of y = x W^T + bias on the VNNI kernels, rows in groups of up to kGroupRowsVnni (Bits: 4 or 8)
+template <int Bits, int R, typename S>
+BLOCKDRAFT_VNNI inline void panel_vnni(const void* codes, const S* s0, const S* s1, int64_t g, const QuantRows& x,
+                                       int64_t row, __m256* out) {
+  if constexpr (Bits == 4) q4_panel_vnni<R>(static_cast<const uint8_t*>(codes), s0, s1, g, x, row, out);
+  else q8_panel_vnni<R>(static_cast<const int8_t*>(codes), s0, g, x, row, out);
+}
+
+template <int Bits, typename S, typename U>
+BLOCKDRAFT_VNNI void panels_vnni(const QuantRows& x, const uint8_t* codes, int64_t panel_bytes, const S* s0,
+                                 const S* s1, int64_t panel_scales, int64_t g, int64_t n, const float* bias, U* y,
+                                 int64_t begin, int64_t end) {
+  __m256 out[kGroupRowsVnni];
+  for (int64_t pi = begin; pi < end; ++pi) {
+    const uint8_t* pc = codes + pi * panel_bytes;
+    const S *a = s0 + pi * panel_scales, *o = s1 != nullptr ? s1 + pi * panel_scales : nullptr;
+    for (int64_t r = 0; r < x.m;) {
+      const int64_t rows = std::min<int64_t>(kGroupRowsVnni, x.m - r);
+      switch (rows) {
+        case 8: panel_vnni<Bits, 8>(pc, a, o, g, x, r, out); break;
+        case 7: panel_vnni<Bits, 7>(pc, a, o, g, x, r, out); break;
+        case 6: panel_vnni<Bits, 6>(pc, a, o, g, x, r, out); break;
+        case 5: panel_vnni<Bits, 5>(pc, a, o, g, x, r, out); break;
+        case 4: panel_vnni<Bits, 4>(pc, a, o, g, x, r, out); break;
+        case 3: panel_vnni<Bits, 3>(pc, a, o, g, x, r, out); break;
+        case 2: panel_vnni<Bits, 2>(pc, a, o, g, x, r, out); break;
+        default: panel_vnni<Bits, 1>(pc, a, o, g, x, r, out); break;
+      }
+      for (int64_t i = 0; i < rows; ++i) store_panel(out[i], bias, pi * kPanel, n, y + (r + i) * n);
+      r += rows;
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------------- the products
 
 // Rows per panel kernel call: each unpacked weight register serves this many rows (3 measured no faster: the
 // accumulators the q4 kernel spills at 4 rows cost less than unpacking the weights more often).
@@ -306,6 +444,12 @@ template <typename S, typename U>
 inline void q4_panels(const QuantRows& xr, const Q4Packed& w, const float* bias, U* y) {
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
+  if (kernel_isa() == Isa::kVnni) {
+    at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+      panels_vnni<4>(xr, codes, w.g * 128, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
+    });
+    return;
+  }
   at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi)
       panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
@@ -327,6 +471,13 @@ template <typename S, typename U>
 inline void q8_panels(const QuantRows& xr, const Q8Packed& w, const float* bias, U* y) {
   const int8_t* codes = w.codes.data_ptr<int8_t>();
   const S* s = w.s.data_ptr<S>();
+  if (kernel_isa() == Isa::kVnni) {
+    at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+      panels_vnni<8>(xr, reinterpret_cast<const uint8_t*>(codes), w.g * 256, s, static_cast<const S*>(nullptr),
+                     w.g * 2 * kPanel, w.g, w.n, bias, y, begin, end);
+    });
+    return;
+  }
   at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi)
       panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {

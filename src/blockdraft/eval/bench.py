@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..quant import kernel_isa
 from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS
 from .report import _fmt_t, _num, _spd, make_plots, render_report, summarize_records
 
@@ -135,6 +136,20 @@ class BenchConfig:
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD features that decide which kernels run (one model name, e.g. "AMD EPYC", covers CPUs with and
+    without AVX-512)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return [x for x in SIMD_FLAGS if x in flags]
+
+
 def machine_info() -> dict:
     import torch
 
@@ -153,7 +168,8 @@ def machine_info() -> dict:
         tf = transformers.__version__
     except ImportError:  # pragma: no cover
         tf = None
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu, "cpu_flags": cpu_flags(), "kernel_isa": kernel_isa(), "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": tf,
             "threads": torch.get_num_threads(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
@@ -549,7 +565,7 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     results = {
         "manifest": manifest,
         "config": dataclasses.asdict(cfg), "command": command,
-        "machine": machine, "target": target_name, "draft": draft_desc, "methods": methods,
+        "machine": {**machine, "kernel_isa": kernel_isa()}, "target": target_name, "draft": draft_desc, "methods": methods,
         "block_sizes": block_sizes, "notes": notes, "summary": summary, "records": records,
         "wall_seconds": None, "files": [],
     }

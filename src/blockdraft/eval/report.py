@@ -137,8 +137,10 @@ def render_report(results: dict) -> str:
              f"- prompts: {'file ' + str(cfg['prompts']) if cfg['prompts'] else ', '.join(cfg['tasks'])}; "
              f"n={cfg['n']} per task, max_new_tokens={cfg['max_new_tokens']}, block_size={cfg['block_size'] or 'default'},"
              f" denoise_steps={cfg['denoise_steps']}, seed={cfg['seed']}, multi_turn={cfg['multi_turn']}",
-             f"- machine: {m['cpu']} ({m['cpu_count']} CPUs, {m['threads']} torch threads), torch {m['torch']}, "
-             f"transformers {m['transformers']}, {m['date']}",
+             f"- machine: {m['cpu']} ({m['cpu_count']} CPUs, {m['threads']} torch threads"
+             + (f"; {' '.join(m['cpu_flags'])}" if m.get("cpu_flags") else "")
+             + (f"; {m['kernel_isa']} kernels" if m.get("kernel_isa") else "")
+             + f"), torch {m['torch']}, transformers {m['transformers']}, {m['date']}",
              f"- command: `{results['command']}`",
              f"- wall time: {results['wall_seconds']:.1f} s", ""]
     for note in results["notes"]:
