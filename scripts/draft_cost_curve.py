@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import SamplingParams
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.eagle import EagleConfig, EagleDraftModel
 from blockdraft.eval.bench import machine_info
 from blockdraft.loading import default_mask_token_id, load_target

@@ -26,7 +26,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.loading import build_engine, load_target
-from blockdraft.train.data import load_packed, read_shards
+from blockdraft.train.records import load_packed, read_shards
 from blockdraft.train.trainer import prompt_of
 
 HELDOUT = Path("data/work/regen-smollm2/shards-heldout")

@@ -23,9 +23,10 @@ import torch
 
 from train_default import REGEN, build_records
 
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.loading import load_target
-from blockdraft.train.data import read_shards
+from blockdraft.train.records import read_shards
 from blockdraft.train.trainer import frequent_tokens
 
 

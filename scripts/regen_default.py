@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from blockdraft.train import data as D
+from blockdraft.train import records as R
 
 
 class _Stop(Exception):
@@ -56,7 +57,7 @@ def bench(args) -> None:
         except _Stop:
             pass
         dt = time.perf_counter() - t0
-        recs = list(D.read_shards(tmp))
+        recs = list(R.read_shards(tmp))
         ntok = sum(sum(r["loss_mask"]) for r in recs)
         results[bs] = ntok / dt
         print(f"batch_size={bs}: {len(recs)} prompts, {ntok} tokens in {dt:.0f} s = {ntok / dt:.1f} tok/s", flush=True)
@@ -67,14 +68,14 @@ def bench(args) -> None:
 def seed_from_packed(packed: Path, out: Path) -> int:
     """Write the committed packed records (train-*.npz in order, heldout.npz) as the regeneration's shards, so that
     a fresh checkout continues the regeneration instead of redoing it. Only into empty shard folders."""
-    from blockdraft.train.records import _ShardWriter, load_packed
+    from blockdraft.train.records import ShardWriter, load_packed
 
     n = 0
     for sub, files in (("shards", sorted(packed.glob("train-*.npz"))), ("shards-heldout", [packed / "heldout.npz"])):
         d = out / sub
         if d.is_dir() and any(d.glob("shard-*.jsonl")):
             continue  # already seeded or regenerated here: never mix
-        w = _ShardWriter(d, 1000)
+        w = ShardWriter(d, 1000)
         for f in files:
             recs = load_packed(f)
             w.write(recs)

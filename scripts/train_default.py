@@ -26,8 +26,8 @@ import torch
 
 from blockdraft.loading import load_target
 from blockdraft.train.conversations import conversation_records
-from blockdraft.train.data import (load_packed, read_shards, select_regeneration_prompts, sharegpt_conversations,
-                                   validate_record)
+from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
+from blockdraft.train.records import load_packed, read_shards, validate_record
 from blockdraft.train.trainer import TrainConfig, train
 
 REGEN = Path("data/work/regen-smollm2")  # scripts/regen_default.py's output (not in git)

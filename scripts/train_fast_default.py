@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from blockdraft.loading import load_target
-from blockdraft.train.fast import (DraftHead, FastConfig, heldout_anchors, make_fast_draft, parse_bool, train_fast,
-                                   valid_anchors)
+from blockdraft.train.fast import FastConfig, make_fast_draft, parse_bool, train_fast
+from blockdraft.train.batches import DraftHead, valid_anchors
+from blockdraft.train.curve import heldout_anchors
 from blockdraft.train.probes import probe_samples, train_probe
 from blockdraft.train.teacher import TeacherCache
 
@@ -73,7 +74,7 @@ def main() -> int:
                      eval_anchors=args.eval_anchors)
     draft = make_fast_draft(cfg, target, cache)  # only for its draft vocabulary (the same one a run would use)
     head = DraftHead(target, draft)
-    hs, ha = heldout_anchors(held, cfg)  # the anchors a learning curve with these settings scores
+    hs, ha = heldout_anchors(held, cfg.eval_seqs, cfg.eval_anchors, cfg.max_len, cfg.seed)  # the anchors a learning curve with these settings scores
     ts = [q for q in cache.sequences if len(valid_anchors(q, cfg.max_len))]
     ta = [valid_anchors(q, cfg.max_len) for q in ts]
     col = cache.columns([args.layer])

@@ -22,7 +22,8 @@ import torch
 
 from blockdraft.draft import DFlashDraftModel
 from blockdraft.loading import load_target
-from blockdraft.train.fast import DraftHead, FastConfig, batch_loss, make_batch, valid_anchors
+from blockdraft.train.fast import FastConfig, batch_loss
+from blockdraft.train.batches import DraftHead, make_batch, valid_anchors
 from blockdraft.train.features import OnlineFeatures
 from blockdraft.train.teacher import TeacherCache
 from blockdraft.train.trainer import TrainConfig, TrainModule, sample_loss

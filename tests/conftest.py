@@ -11,7 +11,8 @@ import contextlib
 import pytest
 import torch
 
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.target import TargetModel
 
 VOCAB = 99

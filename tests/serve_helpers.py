@@ -22,7 +22,8 @@ API_KEY = "sk-test-123"
 def tiny_model_dir(out: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.draft_config import DFlashConfig
     from blockdraft.loading import materialize, resolve_target
     from blockdraft.target import TargetModel
 

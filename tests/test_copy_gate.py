@@ -10,7 +10,8 @@ import torch
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.copy_gate import (GATE_WEIGHTS_NAME, CopyGate, LookupTables, gated_ids, gated_logits,
                                   gated_probs_to_vocab)
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.proposers.dflash import DFlashProposer
 from blockdraft.ngram import lookup_continuation, lookup_table

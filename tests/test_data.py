@@ -5,6 +5,7 @@ import pytest
 from blockdraft.eval.tasks import load_task
 from blockdraft.eval.tasks.base import Prompt
 from blockdraft.train import data as D
+from blockdraft.train import records as R
 
 
 def P(pid, text, task="t"):
@@ -138,9 +139,9 @@ def test_read_shards_corrupt_line(tmp_path):
     for name, bad in cases.items():
         d = tmp_path / name.replace(" ", "_")
         d.mkdir()
-        (d / D.shard_name(0)).write_text(good + "\n")
-        (d / D.shard_name(1)).write_text(good.replace('"a"', '"c"') + "\n" + bad + "\n")
-        it = D.read_shards(d)
+        (d / R.shard_name(0)).write_text(good + "\n")
+        (d / R.shard_name(1)).write_text(good.replace('"a"', '"c"') + "\n" + bad + "\n")
+        it = R.read_shards(d)
         assert next(it)["id"] == "a" and next(it)["id"] == "c"
         with pytest.raises(ValueError, match=r"shard-00001\.jsonl:2"):
             next(it)
@@ -148,14 +149,14 @@ def test_read_shards_corrupt_line(tmp_path):
 
 def test_pack_roundtrip(tmp_path):
     recs = [_rec("x", 4, 3), _rec("y", 2, 0, start=65530), _rec("z", 1, 5, start=0)]
-    assert D.pack_uint16(recs, tmp_path / "p.npz") == 3
-    assert D.load_packed(tmp_path / "p.npz") == recs
-    D.pack_uint16([], tmp_path / "e.npz")
-    assert D.load_packed(tmp_path / "e.npz") == []
+    assert R.pack_uint16(recs, tmp_path / "p.npz") == 3
+    assert R.load_packed(tmp_path / "p.npz") == recs
+    R.pack_uint16([], tmp_path / "e.npz")
+    assert R.load_packed(tmp_path / "e.npz") == []
     with pytest.raises(ValueError, match="uint16"):
-        D.pack_uint16([_rec("big", 1, 1, start=65535)], tmp_path / "b.npz")
+        R.pack_uint16([_rec("big", 1, 1, start=65535)], tmp_path / "b.npz")
     with pytest.raises(ValueError, match="uint16"):
-        D.pack_uint16(recs, tmp_path / "b.npz", vocab_size=100_000)
+        R.pack_uint16(recs, tmp_path / "b.npz", vocab_size=100_000)
 
 
 # ---------------------------------------------------------------- regeneration
@@ -202,9 +203,9 @@ def test_regenerate_resume_matches_uninterrupted(tiny, tmp_path):
     full = tmp_path / "full"
     rep = D.regenerate(model, tok, PROMPTS, full, **kw)
     assert rep.generated == 6 and rep.skipped_long == 0 and rep.batches == 3
-    ref = {r["id"]: r for r in D.read_shards(full)}
+    ref = {r["id"]: r for r in R.read_shards(full)}
     assert sorted(ref) == sorted(p.id for p in PROMPTS)
-    assert sorted(p.name for p in full.iterdir()) == [D.shard_name(0), D.shard_name(1)]
+    assert sorted(p.name for p in full.iterdir()) == [R.shard_name(0), R.shard_name(1)]
     for p in PROMPTS:
         r = ref[p.id]
         prompt_ids = D.chat_token_ids(tok, p.messages)
@@ -216,22 +217,22 @@ def test_regenerate_resume_matches_uninterrupted(tiny, tmp_path):
     rep = D.regenerate(model, tok, PROMPTS, part, max_batches=2, **kw)
     assert rep.stopped_early and rep.generated == 4
     # simulate a kill mid-write: the last complete record is lost and a partial line is left behind
-    shard = part / D.shard_name(0)
+    shard = part / R.shard_name(0)
     lines = shard.read_text().splitlines(keepends=True)
     shard.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     rep = D.regenerate(model, tok, PROMPTS, part, **kw)
     assert rep.already_done == 3 and rep.generated == 3 and rep.truncated_bytes > 0
-    got = list(D.read_shards(part))
+    got = list(R.read_shards(part))
     assert len(got) == 6 and {r["id"]: r for r in got} == ref
     rep = D.regenerate(model, tok, PROMPTS, part, **kw)  # nothing left: no duplicates
-    assert rep.generated == 0 and len(list(D.read_shards(part))) == 6
+    assert rep.generated == 0 and len(list(R.read_shards(part))) == 6
 
 
 def test_regenerate_eos_and_skip_long(tiny, tmp_path):
     model, tok = tiny
     probe = D.regenerate(model, tok, PROMPTS[:2], tmp_path / "probe", max_new_tokens=3, batch_size=2, progress=False)
     assert probe.generated == 2
-    first = {r["id"]: r for r in D.read_shards(tmp_path / "probe")}
+    first = {r["id"]: r for r in R.read_shards(tmp_path / "probe")}
     n0 = len(D.chat_token_ids(tok, PROMPTS[0].messages))
     stop = first["r0"]["input_ids"][n0 + 1]  # make r0's second generated token the end-of-sequence token
     old = model.generation_config.eos_token_id
@@ -243,7 +244,7 @@ def test_regenerate_eos_and_skip_long(tiny, tmp_path):
     finally:
         model.generation_config.eos_token_id = old
     assert rep.skipped_long == 1 and rep.generated == 5
-    recs = {r["id"]: r for r in D.read_shards(tmp_path / "eos")}
+    recs = {r["id"]: r for r in R.read_shards(tmp_path / "eos")}
     assert "r5" not in recs
     r0 = recs["r0"]["input_ids"][n0:]
     assert r0[-1] == stop and stop not in r0[:-1] and len(r0) <= 2
@@ -255,20 +256,20 @@ def test_regenerate_lean_path_matches_hf_generate(tiny, tmp_path):
     kw = dict(max_new_tokens=5, batch_size=3, progress=False)
     D.regenerate(model, tok, PROMPTS, tmp_path / "lean", **kw)
     D.regenerate(model, tok, PROMPTS, tmp_path / "hf", lean=False, **kw)
-    lean = {r["id"]: r for r in D.read_shards(tmp_path / "lean")}
-    hf = {r["id"]: r for r in D.read_shards(tmp_path / "hf")}
+    lean = {r["id"]: r for r in R.read_shards(tmp_path / "lean")}
+    hf = {r["id"]: r for r in R.read_shards(tmp_path / "hf")}
     assert lean == hf and len(lean) == len(PROMPTS)
 
 
 def test_pending_of_task_skips_other_tasks_and_written_records(tmp_path):
     """A task-only regeneration (`regen_default.py --only-task`) plans over the prompts of that task not yet in the
     shards, in the prompt set's order; without shards, all of the task's prompts."""
-    from blockdraft.train.records import _ShardWriter
+    from blockdraft.train.records import ShardWriter
 
     prompts = [P(f"m{i}", f"q{i}", task="gsm" if i % 3 else "sharegpt") for i in range(9)]
     assert [p.id for p in D.pending_of_task(prompts, "gsm", tmp_path / "none")] == ["m1", "m2", "m4", "m5", "m7",
                                                                                     "m8"]
-    w = _ShardWriter(tmp_path / "shards", 4)
+    w = ShardWriter(tmp_path / "shards", 4)
     w.write([{"id": i, "input_ids": [1, 2], "loss_mask": [0, 1]} for i in ("m2", "m3", "m7")])
     w.close()
     assert [p.id for p in D.pending_of_task(prompts, "gsm", tmp_path / "shards")] == ["m1", "m4", "m5", "m8"]

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from blockdraft.draft import DFlashConfig, DFlashDraftModel, check_compatible, default_target_layer_ids
+from blockdraft.draft import DFlashDraftModel, check_compatible
+from blockdraft.draft_config import DFlashConfig, default_target_layer_ids
 from blockdraft.target import TargetModel
 from conftest import MASK_ID, tiny_draft, tiny_llama, tiny_qwen3
 

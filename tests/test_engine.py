@@ -155,7 +155,8 @@ def test_bad_input_is_a_clear_error(llama_target):
 def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
     """A draft proposing among 20 of the 99 tokens: greedy output is still the target's, and the vocabulary
     mapping survives save/load (stored as vLLM's `d2t` offsets)."""
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.draft_config import DFlashConfig
 
     cfg = DFlashConfig.from_target(llama_target.config, num_hidden_layers=1, block_size=8, mask_token_id=98,
                                    num_target_features=2, draft_vocab_size=20)
@@ -183,7 +184,8 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
 def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
     """Two DFlash drafts reading different target layers (2 vs 4 features) on one shared target, used alternately
     (as the benchmark and draft comparisons do): each generation taps its own draft's layers and stays lossless."""
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.draft_config import DFlashConfig
     from conftest import MASK_ID
 
     target = TargetModel(tiny_llama(), ToyTokenizer())

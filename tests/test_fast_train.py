@@ -11,7 +11,9 @@ import torch
 from blockdraft.target import TargetModel
 from blockdraft.train.blockattn import block_forward
 from blockdraft.train.blocks import block_attention_mask
-from blockdraft.train.fast import FastConfig, evaluate, make_batch, train_fast, valid_anchors, DraftHead
+from blockdraft.train.fast import FastConfig, train_fast
+from blockdraft.train.curve import evaluate
+from blockdraft.train.batches import make_batch, valid_anchors, DraftHead
 from blockdraft.train.teacher import TeacherCache, build_teacher_cache
 from blockdraft.train.trainer import TrainModule
 
@@ -294,7 +296,7 @@ def test_recipes_load_as_fast_configs_and_flags_override_them(tmp_path):
 def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_path):
     """walk_tau over padded batches equals a per-sequence loop that predicts one block at a time at the anchors
     decoding would visit (start at the first response anchor, move past the accepted rows and the bonus token)."""
-    from blockdraft.train.fast import walk_tau
+    from blockdraft.train.curve import walk_tau
 
     cache, draft, head, cols = _cached_draft(tiny_target, tmp_path, n_records=5, record_seed=8, draft_seed=9)
     got = walk_tau(draft, tiny_target, head, cache.sequences, cols, 512, block=3, batch_seqs=2)

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
 from blockdraft.cli import main
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.gguf_export import export_draft_gguf, export_target_gguf, gguf_tensor_name, llamacpp_target_layers
 from blockdraft.target import TargetModel
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.eval.external import llamacpp_available
 from blockdraft.eval.llamacpp_server import LlamaServer, ServerRunner, server_missing

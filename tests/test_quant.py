@@ -15,7 +15,7 @@ from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
 from blockdraft.target import TargetModel
-from conftest import ToyTokenizer, seeded, tiny_draft, tiny_llama_q, tiny_qwen2_with_biases
+from conftest import ToyTokenizer, tiny_draft, tiny_llama_q, tiny_qwen2_with_biases
 
 pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
                                 reason=f"no quantized kernels: {quant.kernel_status()}")

@@ -366,7 +366,6 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
 
     from blockdraft.decode.engine import Engine
     from blockdraft.config import GenerationConfig, SamplingParams
-    from blockdraft.decode.engine import Engine
     from blockdraft.proposers import NoDraft
     from blockdraft.serve.scheduler import QueueFullError, Scheduler
     from blockdraft.target import TargetModel

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashConfig, DFlashDraftModel
+from blockdraft.draft import DFlashDraftModel
+from blockdraft.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.loading import encode_prompt, load_target, resolve_draft
 from blockdraft.proposers.dflash import DFlashProposer

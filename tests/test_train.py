@@ -129,7 +129,8 @@ def test_reduced_vocabulary_training(tiny, tmp_path):
 def test_layer_init_from_target_reproduces_its_values(tiny):
     """init_layers='target': draft layer i is a copy of target layer L-n+i, and the context values of draft layer 0
     are exactly what target layer L-n computes from the deepest tapped layer (when that layer feeds it)."""
-    from blockdraft.draft import DFlashConfig, DFlashDraftModel
+    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.draft_config import DFlashConfig
 
     n, nl = 2, tiny.num_layers
     cfg = DFlashConfig.from_target(tiny.config, num_hidden_layers=n, block_size=8, mask_token_id=MASK_ID,

@@ -22,7 +22,7 @@ import torch
 
 from blockdraft.draft import DFlashDraftModel
 from blockdraft.target import TargetModel
-from blockdraft.train import data as D
+from blockdraft.train import records as R
 from blockdraft.train.checkpoint import FAULT_ENV, latest_checkpoint
 from blockdraft.train.trainer import TrainConfig, load_records, train
 from conftest import MASK_ID, VOCAB, tiny_llama
@@ -190,13 +190,13 @@ def _jsonl(recs) -> bytes:
 def test_damaged_jsonl_shard_names_file_and_record(tmp_path, damage, match):
     d = tmp_path / "shards"
     d.mkdir()
-    (d / D.shard_name(0)).write_bytes(_jsonl(GOOD))
-    (d / D.shard_name(1)).write_bytes(damage(_jsonl(GOOD)))
+    (d / R.shard_name(0)).write_bytes(_jsonl(GOOD))
+    (d / R.shard_name(1)).write_bytes(damage(_jsonl(GOOD)))
     with pytest.raises(ValueError, match=match):
         load_records(d)
-    if b"\xff" in (d / D.shard_name(1)).read_bytes():  # regeneration's resume scan reads shards the same way
+    if b"\xff" in (d / R.shard_name(1)).read_bytes():  # regeneration's resume scan reads shards the same way
         with pytest.raises(ValueError, match=match):
-            D._ShardWriter(d, 10)
+            R.ShardWriter(d, 10)
 
 
 def _flip_inside(path, member: str) -> None:
@@ -227,7 +227,7 @@ def test_damaged_packed_npz_names_file_and_record(tmp_path):
     path = tmp_path / "train.npz"
 
     def fresh():
-        D.pack_uint16(recs, path)
+        R.pack_uint16(recs, path)
         return path
 
     assert load_records(fresh()) == recs

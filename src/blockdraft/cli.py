@@ -140,7 +140,8 @@ def cmd_init_draft(args) -> int:
     """Write a randomly initialised draft for a target (the starting point of training, or a speed baseline)."""
     import torch
 
-    from .draft import DFlashConfig, DFlashDraftModel
+    from .draft import DFlashDraftModel
+    from .draft_config import DFlashConfig
     from .loading import default_mask_token_id, load_target
 
     target, _ = load_target(args.target, "fp32", weights="bf16")
@@ -170,7 +171,7 @@ def cmd_data(args) -> int:
 
 def cmd_pack(args) -> int:
     """Pack JSONL shards into one compact uint16 .npz (what the repo commits)."""
-    from .train.data import pack_uint16, read_shards
+    from .train.records import pack_uint16, read_shards
 
     n = pack_uint16(read_shards(args.shards), args.out)
     print(json.dumps({"records": n, "out": args.out}))

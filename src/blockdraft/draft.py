@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .copy_gate import GATE_WEIGHTS_NAME, CopyGate
-from .draft_config import DFlashConfig, default_target_layer_ids  # noqa: F401 (re-exported)
+from .draft_config import DFlashConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
-from .lean import Linear, RopeRows, _rms, packed_linear_available  # _rms is draft.RMSNorm op for op
+from .lean import Linear, RopeRows, rms_norm, packed_linear_available  # rms_norm is draft.RMSNorm op for op
 from .quant import BLOCK, QuantLinear, quant_kernels, quantize
 
 
@@ -114,13 +114,13 @@ class LeanDraft:
         b, c, kh = features.shape
         assert kh == cfg.num_fused_inputs * cfg.hidden_size, (
             f"features must be [B, C, K*H] with K*H = {cfg.num_fused_inputs * cfg.hidden_size}, got {kh}")
-        ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, cfg.rms_norm_eps)
+        ctx = rms_norm(self.fc(features.to(self.dtype)), self.hidden_norm, cfg.rms_norm_eps)
         n = len(self.layers)
         kv = self.ctx_kv(ctx).view(b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)
         k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
         v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, k.dtype)
-        ks = torch.stack([apply_rope(_rms(k[i], layer.k_norm, layer.eps), cos, sin)
+        ks = torch.stack([apply_rope(rms_norm(k[i], layer.k_norm, layer.eps), cos, sin)
                           for i, layer in enumerate(self.layers)])
         return ks, v.contiguous()
 
@@ -136,19 +136,19 @@ class LeanDraft:
         cfg = self.config
         cos, sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
-            h = _rms(x, layer.ln1, layer.eps)
+            h = rms_norm(x, layer.ln1, layer.eps)
             nq, nk, d = layer.n_heads * layer.head_dim, layer.n_kv * layer.head_dim, layer.head_dim
             qkv = layer.qkv(h)
-            q = _rms(qkv[..., :nq].view(b, q_len, layer.n_heads, d), layer.q_norm, layer.eps).transpose(1, 2)
-            k = _rms(qkv[..., nq:nq + nk].view(b, q_len, layer.n_kv, d), layer.k_norm, layer.eps).transpose(1, 2)
+            q = rms_norm(qkv[..., :nq].view(b, q_len, layer.n_heads, d), layer.q_norm, layer.eps).transpose(1, 2)
+            k = rms_norm(qkv[..., nq:nq + nk].view(b, q_len, layer.n_kv, d), layer.k_norm, layer.eps).transpose(1, 2)
             v = qkv[..., nq + nk:].reshape(b, q_len, layer.n_kv, d).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = ctx.write(i, k, v)  # [B, H_kv, C + Q, D]: the context, then this block
             att = F.scaled_dot_product_attention(q, keys, values, enable_gqa=layer.n_kv != layer.n_heads)
             x = x + layer.o(att.transpose(1, 2).reshape(b, q_len, nq))
-            gu = layer.gate_up(_rms(x, layer.ln2, layer.eps))
+            gu = layer.gate_up(rms_norm(x, layer.ln2, layer.eps))
             x = x + layer.down(F.silu(gu[..., :layer.inter]) * gu[..., layer.inter:])
-        return _rms(x, self.final_norm, self.eps)
+        return rms_norm(x, self.final_norm, self.eps)
 
     def forward_rows(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctxs: list[KVCache],
                      counts: list[int]) -> torch.Tensor:

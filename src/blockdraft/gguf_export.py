@@ -209,7 +209,8 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     tokenizer fields are copied); target_dir: the same target as an HF directory (config.json + safetensors; the
     head rows of a reduced-vocabulary draft are read from it); outtype: 'bf16' (what our engine runs) or 'f32'."""
     from .copy_gate import GATE_WEIGHTS_NAME
-    from .draft import DFlashConfig, read_draft_dir
+    from .draft import read_draft_dir
+    from .draft_config import DFlashConfig
 
     if outtype not in FILE_TYPE:
         raise ValueError(f"outtype must be one of {sorted(FILE_TYPE)}, got {outtype!r}")

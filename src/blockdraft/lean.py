@@ -75,7 +75,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LLaMA RMSNorm, op for op (normalise in fp32, cast back, then scale), so results match its modules."""
     dt = x.dtype
     h = x.float()
@@ -168,7 +168,7 @@ class _Layer:
         """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (q and k rotated)."""
         b, t, _ = x.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(_rms(x, self.w_in, self.eps_in)).split(
+        q, k, v = self.qkv_proj(rms_norm(x, self.w_in, self.eps_in)).split(
             [self.n_q * d, self.n_kv * d, self.n_kv * d], dim=-1)
         q, k = q.view(b, t, self.n_q, d), k.view(b, t, self.n_kv, d)
         if self.q_norm is not None:
@@ -180,7 +180,7 @@ class _Layer:
     def out_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] residual, attn [B, T, Hq*D] -> the layer's output [B, T, H]."""
         x = x + self.o_proj(attn)
-        gate, up = self.gate_up(_rms(x, self.w_post, self.eps_post)).split(self.inter, dim=-1)
+        gate, up = self.gate_up(rms_norm(x, self.w_post, self.eps_post)).split(self.inter, dim=-1)
         return x + self.down(self.act(gate) * up)
 
 

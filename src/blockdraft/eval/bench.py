@@ -55,7 +55,7 @@ from pathlib import Path
 
 from ..quant import kernel_isa
 from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS
-from .report import _fmt_t, _num, _spd, make_plots, render_report, summarize_records
+from .report import fmt_temperature, fmt_num, fmt_speedup, make_plots, render_report, summarize_records
 
 log = logging.getLogger(__name__)
 
@@ -520,7 +520,7 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     def run_item(item: _Item, temp: float, ms: list[str]) -> dict:
         out = {}
         for k, m in enumerate(_rotate(ms, item.index + item.turn - 1)):
-            bar.set_postfix_str(f"T={_fmt_t(temp)} {item.prompt.id} turn {item.turn} {m}", refresh=False)
+            bar.set_postfix_str(f"T={fmt_temperature(temp)} {item.prompt.id} turn {item.turn} {m}", refresh=False)
             r = runner.run(m, item.ids, temp, cfg.seed + item.index, cfg.max_new_tokens)
             r.update(temperature=temp, task=item.prompt.task, prompt_id=item.prompt.id, prompt_index=item.index,
                      turn=item.turn, method=m, run_order=k)
@@ -665,8 +665,8 @@ def cmd_bench(args) -> int:
         overall = "all" if len(block["tasks"]) > 1 else block["tasks"][0]
         for r in block["rows"]:
             if r["task"] == overall:
-                print(f"T={tkey} {r['task']:>5} {r['method']:>12}: tau {_num(r['tau'])}, decode speedup "
-                      f"{_spd(r['decode_speedup'])}, e2e speedup {_spd(r['e2e_speedup'])}")
+                print(f"T={tkey} {r['task']:>5} {r['method']:>12}: tau {fmt_num(r['tau'])}, decode speedup "
+                      f"{fmt_speedup(r['decode_speedup'])}, e2e speedup {fmt_speedup(r['e2e_speedup'])}")
     out = Path(results["config"]["out"])
     print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {len(results['files']) - 2} plots")
     return 0

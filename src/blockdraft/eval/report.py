@@ -12,7 +12,7 @@ from . import metrics
 DRAFTING_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "dflash-hf")
 
 
-def _fmt_t(t: float) -> str:
+def fmt_temperature(t: float) -> str:
     return f"{t:g}"
 
 
@@ -36,7 +36,7 @@ def summarize_records(records: list[dict], methods: list[str], block_sizes: dict
                     continue
                 rows.append(_row(task, m, mine, ar, block_sizes.get(m)))
             _against_llamacpp(rows[first:], by_m)
-        out[_fmt_t(temp)] = {"temperature": temp, "tasks": tasks, "rows": rows}
+        out[fmt_temperature(temp)] = {"temperature": temp, "tasks": tasks, "rows": rows}
     return out
 
 
@@ -113,11 +113,11 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
 
 
 # ------------------------------------------------------------------------------------------------------ report
-def _num(x, fmt="{:.2f}") -> str:
+def fmt_num(x, fmt="{:.2f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
-def _spd(s: dict | None) -> str:
+def fmt_speedup(s: dict | None) -> str:
     if not s or s.get("median") is None:
         return "—"
     return f"{s['median']:.2f}× [{s['min']:.2f}–{s['max']:.2f}]"
@@ -160,9 +160,9 @@ def render_report(results: dict) -> str:
         for r in block["rows"]:
             match = "—" if r["match_rate"] is None or temp > 0 else f"{r['match_rate']:.0%}"
             share = "—" if r["draft_share"] is None or r["method"] == "ar" else f"{r['draft_share']:.0%}"
-            lines.append(f"| {r['task']} | {r['method']} | {r['n']} | {_num(r['tau'])} | "
-                         f"{_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
-                         f"{_spd(r['decode_speedup'])} | {_spd(r['e2e_speedup'])} | {share} | {match} |")
+            lines.append(f"| {r['task']} | {r['method']} | {r['n']} | {fmt_num(r['tau'])} | "
+                         f"{fmt_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
+                         f"{fmt_speedup(r['decode_speedup'])} | {fmt_speedup(r['e2e_speedup'])} | {share} | {match} |")
         lines.append("")
         vrows = [r for r in block["rows"] if r.get("vs_llamacpp")]
         if vrows:
@@ -171,7 +171,7 @@ def render_report(results: dict) -> str:
                               "median), paired per prompt: median [min–max].",
                               "| task | method | against | decode speedup |", "|---|---|---|---|",
                               [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | "
-                               f"{_spd(r['vs_llamacpp'])} |" for r in vrows])
+                               f"{fmt_speedup(r['vs_llamacpp'])} |" for r in vrows])
         lrows = [r for r in block["rows"] if r.get("llamacpp")]
         if lrows:
             lines += [f"### llama.cpp + our DFlash draft (T={tkey})", "",
@@ -184,7 +184,7 @@ def render_report(results: dict) -> str:
                 c = r["llamacpp"]
                 pm = "—" if c["plain_match_rate"] is None else f"{c['plain_match_rate']:.0%}"
                 lines.append(f"| {r['task']} | {r['method']} | {c['drafted']} | {c['accepted']} | "
-                             f"{c['verify_steps']} | {_num(c['accept_rate'])} | {_num(r['tau'])} | {pm} |")
+                             f"{c['verify_steps']} | {fmt_num(c['accept_rate'])} | {fmt_num(r['tau'])} | {pm} |")
             lines.append("")
         split = [r for r in block["rows"] if r["step_ms"] and r["task"] == ("all" if len(block["tasks"]) > 1
                                                                               else block["tasks"][0])]
@@ -197,7 +197,7 @@ def render_report(results: dict) -> str:
                 sm = r["step_ms"]
                 per_tok = sm["total"] / r["tau"] if r["tau"] else None
                 lines.append(f"| {r['method']} | {sm['steps']} | {sm['draft']:.1f} | {sm['verify']:.1f} | "
-                             f"{sm['other']:.1f} | {sm['total']:.1f} | {_num(per_tok, '{:.1f}')} |")
+                             f"{sm['other']:.1f} | {sm['total']:.1f} | {fmt_num(per_tok, '{:.1f}')} |")
             lines.append("")
         trows = [r for r in block["rows"] if r.get("tree_nodes_mean") is not None]
         if trows:
@@ -205,8 +205,8 @@ def render_report(results: dict) -> str:
                               "Candidate nodes verified per step (the root excluded), tokens committed per step, and "
                               "the share of steps that verified lookup branches without running the draft.",
                               "| task | method | nodes per step | tau | draft skipped |", "|---|---|---:|---:|---:|",
-                              [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {_num(r['tau'])} | "
-                               f"{_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows])
+                              [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {fmt_num(r['tau'])} | "
+                               f"{fmt_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows])
         for meth in DRAFTING_METHODS:
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
             if not rows:
@@ -217,7 +217,7 @@ def render_report(results: dict) -> str:
                       "| task | " + " | ".join(str(i + 1) for i in range(npos)) + " |",
                       "|---|" + "---:|" * npos]
             for r in rows:
-                lines.append(f"| {r['task']} | " + " | ".join(_num(x) for x in r["position_rate"]) + " |")
+                lines.append(f"| {r['task']} | " + " | ".join(fmt_num(x) for x in r["position_rate"]) + " |")
             lines.append("")
     plots = [f for f in results["files"] if f.endswith(".png")]
     if plots:

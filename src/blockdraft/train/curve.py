@@ -5,8 +5,6 @@ are the ones real decoding visits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -16,9 +14,6 @@ from .batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward
 from .precision import autocast
 from .teacher import TeacherCache, TeacherSequence
-
-if TYPE_CHECKING:
-    from .fast import FastConfig
 
 
 @torch.no_grad()
@@ -138,13 +133,14 @@ def walk_tau(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
             "walk_acc1": round(sum(h for _, h in steps) / max(1, n), 4), "walk_steps": n}
 
 
-def heldout_anchors(held: TeacherCache, cfg: FastConfig) -> tuple[list[TeacherSequence], list[np.ndarray]]:
+def heldout_anchors(held: TeacherCache, eval_seqs: int, eval_anchors: int, max_len: int, seed: int
+                    ) -> tuple[list[TeacherSequence], list[np.ndarray]]:
     """The learning curve's fixed held-out set: the first `eval_seqs` sequences with an anchor and `eval_anchors`
-    anchors of each, drawn from a generator seeded by cfg.seed (the reference probes score the same anchors)."""
-    g = np.random.default_rng(cfg.seed + 1)
-    seqs = [q for q in held.sequences if len(valid_anchors(q, cfg.max_len))][: cfg.eval_seqs]
+    anchors of each, drawn from a generator seeded by seed + 1 (the reference probes score the same anchors)."""
+    g = np.random.default_rng(seed + 1)
+    seqs = [q for q in held.sequences if len(valid_anchors(q, max_len))][: eval_seqs]
     anchors = []
     for q in seqs:
-        a = valid_anchors(q, cfg.max_len)
-        anchors.append(np.sort(g.choice(a, size=min(cfg.eval_anchors, len(a)), replace=False)))
+        a = valid_anchors(q, max_len)
+        anchors.append(np.sort(g.choice(a, size=min(eval_anchors, len(a)), replace=False)))
     return seqs, anchors

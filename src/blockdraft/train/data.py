@@ -27,9 +27,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
 
-# the shard and packing layer lives in records.py; its public names stay importable from here
-from .records import (_ShardWriter, load_packed, pack_uint16, read_shards, shard_name,  # noqa: F401
-                      validate_record)
+from .records import ShardWriter, read_shards
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +423,7 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
         raise ValueError("prompt ids must be unique")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    writer = _ShardWriter(Path(out_dir), shard_size)
+    writer = ShardWriter(Path(out_dir), shard_size)
     rep.truncated_bytes = writer.truncated_bytes
     todo_ids, tok = [], []
     for p in prompts:

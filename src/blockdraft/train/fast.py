@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from ..copy_gate import LookupTables
-from ..draft import DFlashConfig, DFlashDraftModel
-from ..draft_config import default_target_layer_ids
+from ..draft import DFlashDraftModel
+from ..draft_config import DFlashConfig, default_target_layer_ids
 from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
-from .curve import evaluate, heldout_anchors, walk_tau  # noqa: F401 (re-exported)
+from .curve import evaluate, heldout_anchors, walk_tau
 from .precision import autocast, compute_dtype, dtype_name
 from .teacher import TeacherCache
 
@@ -342,7 +342,7 @@ def train_fast(cfg: FastConfig, target, resume: bool = False) -> dict:
                        key=lambda i: (min(n_anchors[i], cap), min(len(train_seqs[i]), cfg.max_len), i))
         train_seqs = [train_seqs[i] for i in order]
         train_cols = [train_cols[i] for i in order]
-    held_seqs, held_anchors = heldout_anchors(held, cfg)
+    held_seqs, held_anchors = heldout_anchors(held, cfg.eval_seqs, cfg.eval_anchors, cfg.max_len, cfg.seed)
 
     def log_eval(extra: dict) -> dict:
         ev = evaluate(draft, target, head, held_seqs, held_anchors, cols, cfg.max_len, block=cfg.eval_block,

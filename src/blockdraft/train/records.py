@@ -86,7 +86,7 @@ def read_shards(directory: str | Path) -> Iterator[dict]:
                     yield rec
 
 
-class _ShardWriter:
+class ShardWriter:
     """Appends records to shard files of `shard_size` lines. On open it scans the existing shards: an unterminated
     last line (a write cut by a kill) is truncated away; every complete line must be a valid record."""
 

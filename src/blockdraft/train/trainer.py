@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..draft import DFlashConfig, DFlashDraftModel, check_compatible
+from ..draft import DFlashDraftModel, check_compatible
+from ..draft_config import DFlashConfig
 from ..target import TargetModel
 from .blocks import (IGNORE, block_attention_mask, build_blocks, default_gamma, flex_block_mask, loss_weights,
                      sample_anchors)
@@ -90,7 +91,7 @@ class TrainConfig:
 
 def load_records(path: str | Path) -> list[dict]:
     """Training records from a JSONL shard directory or a packed `.npz` (see train/data.py)."""
-    from .data import load_packed, read_shards
+    from .records import load_packed, read_shards
 
     p = Path(path)
     if not p.exists():
