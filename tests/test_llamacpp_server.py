@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from blockdraft.eval.bench import BenchConfig, run_bench
-from blockdraft.eval.llamacpp_server import LlamaServer, ServerRunner, default_draft_n
+from blockdraft.eval.llamacpp_server import LlamaServer, ServerExited, ServerRunner, default_draft_n
 from blockdraft.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_qwen3
 
@@ -46,6 +46,10 @@ FAKE = textwrap.dedent("""\
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if draft and "crashy" in draft:  # dies mid-request, as llama.cpp does on a failed GGML_ASSERT
+                print("ggml.c: GGML_ASSERT(ne0 % 32 == 0) failed", flush=True)
+                import os
+                os._exit(134)
             n, prompt = body["n_predict"], body["prompt"]
             toks = [(sum(prompt) + k) % 90 + 1 for k in range(n)]
             if prompt[-1] == 5:
@@ -96,6 +100,12 @@ def test_server_that_fails_to_load_is_a_clear_error(fake_bin, tmp_path):
         LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "d.gguf", draft_n=0)
 
 
+def test_server_that_dies_mid_request_says_so_with_its_log(fake_bin, tmp_path):
+    with LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "crashy.gguf", draft_n=3) as srv:
+        with pytest.raises(ServerExited, match=r"(?s)exited with code 134 during a request.*GGML_ASSERT"):
+            srv.complete([1, 2, 3], 4, 0.0, 0)
+
+
 def test_default_draft_n_is_the_recommended_block_minus_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"dflash_config": {"block_size": 16},
                                                       "blockdraft": {"decode_block_size": 4}}))
@@ -134,6 +144,18 @@ def test_bench_runs_llamacpp_dflash_with_llamacpps_tau(fake_bin, tmp_path):
     report = (tmp_path / "out" / "report.md").read_text()
     assert "### llama.cpp + our DFlash draft (T=0)" in report
     assert "| p | llamacpp-dflash | 24 | 8 | 8 | 0.33 | 2.00 | — |" in report  # 2 prompts x 8 tokens: 4 steps each
+
+
+def test_bench_drops_a_server_that_dies_and_keeps_the_rest(fake_bin, tmp_path):
+    (tmp_path / "t.gguf").write_bytes(b"")
+    (tmp_path / "crashy.gguf").write_bytes(b"")
+    res = _bench(tmp_path, methods=("ar", "llamacpp-server", "llamacpp-dflash"), llamacpp_gguf=str(tmp_path / "t.gguf"),
+                 llamacpp_draft_gguf=str(tmp_path / "crashy.gguf"), llamacpp_draft_n=3)
+    assert res["methods"] == ["ar", "llamacpp-server"]
+    assert sorted(r["method"] for r in res["records"]) == ["ar", "ar", "llamacpp-server", "llamacpp-server"]
+    note = next(n for n in res["notes"] if n.startswith("llamacpp-dflash dropped"))
+    assert "exited with code 134" in note and "GGML_ASSERT" in note and "warm-up" in note
+    assert "llamacpp-dflash dropped" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_bench_skips_llamacpp_dflash_with_a_note_without_the_tools(tmp_path, monkeypatch):

@@ -212,7 +212,7 @@ def packaged_models_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
-DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash"}
+DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-dflash"}
 
 
 def resolve_draft(draft: str | None, target_name: str) -> Path | None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..quant import kernel_isa
-from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS
+from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS, ServerExited
 from .report import fmt_temperature, fmt_num, fmt_speedup, make_plots, render_report, summarize_records
 
 log = logging.getLogger(__name__)
@@ -517,11 +517,26 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress, dynamic_ncols=True)
     records: list[dict] = []
 
+    def drop(m: str, e: ServerExited, where: str) -> None:
+        """An external server that died loses its own method only: the note says why, the rest of the run goes on."""
+        last = [ln for ln in str(e).splitlines() if ln.strip()]
+        notes.append(f"{m} dropped from the run: {last[0]} ({where}); its last log line: {last[-1][:300]!r}")
+        log.warning("%s dropped: %s", m, e)
+        for ms in per_temp.values():
+            if m in ms:
+                ms.remove(m)
+        methods.remove(m)
+
     def run_item(item: _Item, temp: float, ms: list[str]) -> dict:
         out = {}
-        for k, m in enumerate(_rotate(ms, item.index + item.turn - 1)):
+        for k, m in enumerate(_rotate(list(ms), item.index + item.turn - 1)):
             bar.set_postfix_str(f"T={fmt_temperature(temp)} {item.prompt.id} turn {item.turn} {m}", refresh=False)
-            r = runner.run(m, item.ids, temp, cfg.seed + item.index, cfg.max_new_tokens)
+            try:
+                r = runner.run(m, item.ids, temp, cfg.seed + item.index, cfg.max_new_tokens)
+            except ServerExited as e:
+                drop(m, e, f"prompt {item.prompt.id}")
+                bar.update(1)
+                continue
             r.update(temperature=temp, task=item.prompt.task, prompt_id=item.prompt.id, prompt_index=item.index,
                      turn=item.turn, method=m, run_order=k)
             out[m] = r
@@ -541,8 +556,11 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
             for temp in cfg.temperatures:
                 ms = per_temp[temp]
                 if cfg.warmup:  # compile-free, but first calls allocate caches and touch every weight
-                    for m in ms:
-                        runner.run(m, items[0].ids, temp, cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))
+                    for m in list(ms):
+                        try:
+                            runner.run(m, items[0].ids, temp, cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))
+                        except ServerExited as e:
+                            drop(m, e, "warm-up")
                 for item in items:
                     first = run_item(item, temp, ms)
                     if cfg.multi_turn and item.prompt.extra_turns:

@@ -16,6 +16,7 @@ which the server does before it serves the next (metrics) request.
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import socket
@@ -59,6 +60,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ServerExited(RuntimeError):
+    """The llama-server process died while answering (a crash inside llama.cpp); the message ends with its log."""
 
 
 class LlamaServer:
@@ -156,6 +161,14 @@ class LlamaServer:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"{SERVER} answered {e.code}: {e.read()[:500]!r}") from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as e:
+            try:
+                self.proc.wait(timeout=5)  # a crash closes the connection a moment before the process is reaped
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{SERVER} dropped a request ({type(e).__name__}: {e})") from None
+            raise ServerExited(f"{SERVER} exited with code {self.proc.returncode} during a request on "
+                               f"{self.model.name}{' + ' + self.draft.name if self.draft else ''}:\n"
+                               f"{self.log_tail()}") from None
 
 
 class ServerRunner:
