@@ -519,8 +519,11 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
 
     def drop(m: str, e: ServerExited, where: str) -> None:
         """An external server that died loses its own method only: the note says why, the rest of the run goes on."""
-        last = [ln for ln in str(e).splitlines() if ln.strip()]
-        notes.append(f"{m} dropped from the run: {last[0]} ({where}); its last log line: {last[-1][:300]!r}")
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        # llama.cpp's own abort message, not the debugger's backtrace that follows it
+        why = next((ln for w in ("assert", "abort", "error", "failed") for ln in reversed(lines[1:])
+                    if w in ln.lower() and not ln.startswith("#")), lines[-1])
+        notes.append(f"{m} dropped from the run: {lines[0].rstrip(':')} ({where}); its log: {why[:300]!r}")
         log.warning("%s dropped: %s", m, e)
         for ms in per_temp.values():
             if m in ms:

@@ -168,7 +168,7 @@ class LlamaServer:
                 raise RuntimeError(f"{SERVER} dropped a request ({type(e).__name__}: {e})") from None
             raise ServerExited(f"{SERVER} exited with code {self.proc.returncode} during a request on "
                                f"{self.model.name}{' + ' + self.draft.name if self.draft else ''}:\n"
-                               f"{self.log_tail()}") from None
+                               f"{self.log_tail(80)}") from None
 
 
 class ServerRunner:
