@@ -179,6 +179,21 @@ inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, 
   for (int r = 0; r < R; ++r) out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp[r], offn[r]));
 }
 
+// Block b of a q4 panel: ask for the weights kPrefetch bytes ahead, and unpack its codes into 8 registers (chunk t's
+// low nibbles in w[t], its high nibbles in w[t + 4]), the same for every instruction set.
+template <typename S>
+inline void q4_block_codes(const uint8_t* pc, const S* pd, int64_t b, __m256i* w) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch + 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(pd + b * kPanel + kPrefetch / 8), _MM_HINT_T0);
+  for (int t = 0; t < 4; ++t) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
+    w[t] = _mm256_and_si256(raw, m4);
+    w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  }
+}
+
 // R rows x one panel: out[r] = the 8 columns' dot products with row r. Per block, with the codes centred,
 // w = d (c - 8) + (o + 8d): dot(w, x) = d dx (dot(c, xq) - 8 sum(xq)) + (o + 8d) sum(x). Centring halves the span
 // the integer part covers, so quantizing x costs half the error it would with d c + o. The integer dot of a block
@@ -186,19 +201,12 @@ inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, 
 template <int R, typename S>
 inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, const QuantRows& x,
                      int64_t row, __m256* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pd + b * kPanel + kPrefetch / 8), _MM_HINT_T0);
     __m256i w[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
-      w[t] = _mm256_and_si256(raw, m4);
-      w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    }
+    q4_block_codes(pc, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
@@ -245,6 +253,25 @@ inline Q8Packed pack_q8(const torch::Tensor& qw, const torch::Tensor& s) {
   return p;
 }
 
+// Block b of a q8 panel: ask for the weights kPrefetch bytes ahead.
+template <typename S>
+inline void q8_prefetch(const int8_t* pc, const S* ps, int64_t b) {
+  for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(ps + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+}
+
+// acc[r] += the integer dots of block b's halves (lo, hi) times their scales and row r's activation scale
+template <int R, typename S>
+inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const S* ps, int64_t b, int64_t g, const QuantRows& x,
+                           int64_t row, __m256* acc) {
+  const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
+  for (int r = 0; r < R; ++r) {
+    const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
+  }
+}
+
 // R rows x one panel, q8: per block and half, s dx dot(c, xq). AVX2 multiplies unsigned by signed bytes, so the
 // codes enter as |c| and their signs move onto x; each pair sum <= 2 * 128 * 127 fits int16 before widening.
 template <int R, typename S>
@@ -255,9 +282,7 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
   for (int64_t b = 0; b < g; ++b) {
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ps + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+    q8_prefetch(pc, ps, b);
     for (int j = 0; j < 8; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
       const __m256i aw = _mm256_sign_epi8(w, w);
@@ -268,12 +293,7 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
         else hi[r] = _mm256_add_epi32(hi[r], t);
       }
     }
-    const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
-    }
+    q8_scale_block<R>(lo, hi, ps, b, g, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
@@ -312,19 +332,11 @@ constexpr int64_t kGroupRowsVnni = 8;  // rows per weight register: 8 accumulato
 template <int R, typename S>
 BLOCKDRAFT_VNNI inline void q4_panel_vnni(const uint8_t* pc, const S* pd, const S* po, int64_t g,
                                           const QuantRows& x, int64_t row, __m256* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 128 + kPrefetch + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pd + b * kPanel + kPrefetch / 8), _MM_HINT_T0);
     __m256i w[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 128 + t * 32));
-      w[t] = _mm256_and_si256(raw, m4);
-      w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    }
+    q4_block_codes(pc, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
@@ -350,9 +362,7 @@ BLOCKDRAFT_VNNI inline void q8_panel_vnni(const int8_t* pc, const S* ps, int64_t
   for (int64_t b = 0; b < g; ++b) {
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ps + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+    q8_prefetch(pc, ps, b);
     for (int j = 0; j < 8; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
       const __m256i aw = _mm256_sign_epi8(w, w);  // |c| as unsigned bytes; the signs move onto x
@@ -362,12 +372,7 @@ BLOCKDRAFT_VNNI inline void q8_panel_vnni(const int8_t* pc, const S* ps, int64_t
         else hi[r] = _mm256_dpbusd_epi32(hi[r], aw, xv);
       }
     }
-    const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
-    }
+    q8_scale_block<R>(lo, hi, ps, b, g, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
