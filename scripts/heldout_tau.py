@@ -27,7 +27,7 @@ import torch
 from blockdraft.config import GenerationConfig
 from blockdraft.loading import build_engine, load_target
 from blockdraft.train.records import load_packed, read_shards
-from blockdraft.train.trainer import prompt_of
+from blockdraft.train.live import prompt_of
 
 HELDOUT = Path("data/work/regen-smollm2/shards-heldout")
 GSM_UNSEEN_SEED = 7  # reasoning-gym seed of the gsm-unseen set: not the benchmark's (0), not training's

@@ -27,7 +27,7 @@ from blockdraft.draft import DFlashDraftModel
 from blockdraft.draft_config import DFlashConfig
 from blockdraft.loading import load_target
 from blockdraft.train.records import read_shards
-from blockdraft.train.trainer import frequent_tokens
+from blockdraft.train.live import frequent_tokens
 
 
 def main() -> int:

@@ -28,7 +28,8 @@ from blockdraft.loading import load_target
 from blockdraft.train.conversations import conversation_records
 from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
 from blockdraft.train.records import load_packed, read_shards, validate_record
-from blockdraft.train.trainer import TrainConfig, train
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import train
 
 REGEN = Path("data/work/regen-smollm2")  # scripts/regen_default.py's output (not in git)
 PACKED = Path("data/smollm2-regen")  # the regenerated records committed, packed (uint16)
@@ -122,11 +123,11 @@ def main() -> int:
     recs = build_records(target.tokenizer, args.max_len, args.n_raw, args.seed, args.regen_limit)
     held = heldout_records()
     cfg = TrainConfig(data=str(REGEN), out_dir=args.out, num_layers=args.layers, block_size=16,
-                      num_anchors=args.anchors, batch_size=args.batch_size, max_steps=args.steps,
-                      max_seq_len=args.max_len, save_every=50, keep_last=2, eval_every=0, eval_prompts=6,
-                      eval_max_new_tokens=96, log_every=10, seed=args.seed, dtype="bf16", method=args.method,
-                      ttt_steps=args.ttt_steps, init_layers=args.init_layers, draft_vocab_size=args.vocab_size,
-                      target_labels=args.target_labels)
+                      num_target_features=args.layers, anchors=args.anchors, seqs_per_step=args.batch_size,
+                      steps=args.steps, max_len=args.max_len, save_every=50, keep_last=2, eval_every=0,
+                      eval_prompts=6, eval_max_new_tokens=96, log_every=10, seed=args.seed, precision="bf16",
+                      method=args.method, ttt_steps=args.ttt_steps, init=args.init_layers,
+                      draft_vocab_size=args.vocab_size or 0, target_labels=args.target_labels)
     summary = train(cfg, target=target, records=recs, heldout=held, resume=args.resume)
     summary.pop("losses", None)
     print(json.dumps(summary))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Training throughput of the generic trainer (online target features, dense block mask: trainer.sample_loss)
-against the fast path (teacher cache, factorised block mask: fast.batch_loss), in one run with the methods
+"""Training throughput of the live source (online target features, dense block mask: live.sample_loss)
+against the cache source (teacher cache, factorised block mask: cached.batch_loss), in one run with the methods
 interleaved round by round, same draft (the shipped default), same threads. Block rows/s = (anchors x block size)
 per second of forward + backward + optimizer step; padding (anchor slots a shorter sequence leaves empty) is not
 counted, so the bucketed variant (train-fast's default) shows what bucketing saves.
@@ -22,11 +22,12 @@ import torch
 
 from blockdraft.draft import DFlashDraftModel
 from blockdraft.loading import load_target
-from blockdraft.train.fast import FastConfig, batch_loss
+from blockdraft.train.cached import batch_loss
+from blockdraft.train.config import TrainConfig
 from blockdraft.train.batches import DraftHead, make_batch, valid_anchors
 from blockdraft.train.features import OnlineFeatures
 from blockdraft.train.teacher import TeacherCache
-from blockdraft.train.trainer import TrainConfig, TrainModule, sample_loss
+from blockdraft.train.live import TrainModule, sample_loss
 
 
 def main() -> int:
@@ -47,7 +48,7 @@ def main() -> int:
     head = DraftHead(target, draft)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-5)
     # the generic trainer as the shipped default was trained: 2 sequences x 64 anchors x 16 rows, online features
-    gcfg = TrainConfig(num_anchors=64, max_seq_len=512, block_size=16, dtype="bf16", attention="sdpa")
+    gcfg = TrainConfig(anchors=64, max_len=512, block_size=16, attention="sdpa")
     online = OnlineFeatures(target, draft.config.target_layer_ids)
     module = TrainModule(draft)
     vmap = torch.full((target.vocab_size,), -100, dtype=torch.long)
@@ -59,16 +60,17 @@ def main() -> int:
         for j in range(2):
             q = seqs[(2 * step + j) % len(seqs)]
             rec = {"id": q.id, "input_ids": q.tokens.tolist(), "loss_mask": q.loss_mask.tolist()}
-            out = sample_loss(module, target, rec, online, gcfg, draft.config, step * 2 + j, head.ids, vmap)
+            out = sample_loss(module, target, rec, online, gcfg, draft.config, step * 2 + j, head.ids, vmap,
+                              torch.bfloat16)
             out.loss.backward()
             rows += 64 * 16
         return rows
 
-    # train-fast's bucketing (FastConfig.bucket): a step's sequences are neighbours in (anchors, length) order
+    # the cache source's bucketing (TrainConfig.bucket): a step's sequences are neighbours in (anchors, length) order
     bucketed = sorted(seqs, key=lambda q: (min(len(valid_anchors(q, 512)), 128), min(len(q), 512)))
 
     def fast(block: int, anchors: int, nseq: int, bucket: bool = False):
-        cfg = FastConfig(cache="-", heldout_cache="-", train_block=block, anchors=anchors)
+        cfg = TrainConfig(cache="-", heldout_cache="-", train_block=block, anchors=anchors, gamma=7.0)
 
         def run(step: int) -> int:
             if bucket:

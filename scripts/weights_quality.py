@@ -23,7 +23,7 @@ from blockdraft.eval.bench import machine_info
 from blockdraft.loading import load_target
 from blockdraft.quant import plan_weights
 from blockdraft.target import TargetModel
-from blockdraft.train.trainer import load_records
+from blockdraft.train.records import load_records
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ import torch
 
 from blockdraft.train.blocks import (IGNORE, block_attention_mask, build_blocks, default_gamma, loss_weights,
                                      sample_anchors, valid_anchor_positions)
-from blockdraft.train.trainer import TrainModule
+from blockdraft.train.live import TrainModule
 from conftest import MASK_ID, tiny_draft
 
 M = MASK_ID

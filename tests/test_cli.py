@@ -71,9 +71,9 @@ def test_train_checkpoints_on_sigterm_and_resumes(tiny_dir, tmp_path):
             f.write(json.dumps({"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * 10 + [1] * 30}) + "\n")
     out = tmp_path / "run"
     args = [sys.executable, "-m", "blockdraft.cli", "train", "--target", str(tiny_dir), "--data", str(shards),
-            "--out-dir", str(out), "--num-layers", "1", "--block-size", "4", "--num-anchors", "4",
-            "--batch-size", "1", "--max-steps", "100000", "--save-every", "100000", "--log-every", "1",
-            "--dtype", "fp32"]
+            "--out-dir", str(out), "--num-layers", "1", "--block-size", "4", "--anchors", "4",
+            "--seqs-per-step", "1", "--steps", "100000", "--save-every", "100000", "--log-every", "1",
+            "--precision", "fp32", "--init", "random", "--draft-vocab-size", "0", "--eval-every", "0"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "train_log.jsonl"
     deadline = time.time() + 120
@@ -88,6 +88,32 @@ def test_train_checkpoints_on_sigterm_and_resumes(tiny_dir, tmp_path):
     assert step >= 3 and (out / "draft" / "config.json").is_file()
     fresh = run(*args[3:], check=False)
     assert fresh.returncode == 2 and "--resume" in fresh.stderr  # never silently overwrites a run
-    args[args.index("--max-steps") + 1] = str(step + 2)
+    args[args.index("--steps") + 1] = str(step + 2)
     done = run(*args[3:], "--resume")
     assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == step + 2
+
+
+def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
+    """The README's training commands as a new user runs them, at the smallest size: prompts and the target's own
+    answers (a held-out split even from a dozen prompts per source), the teacher caches of both splits, a short
+    `train --cache` run (its learning curve on the held-out cache), then decoding with the new draft."""
+    regen, cache, run_dir = tmp_path / "regen", tmp_path / "cache", tmp_path / "run"
+    run("data", "--target", tiny_dir, "--out", regen, "--n-sharegpt", "12", "--n-gsm", "12", "--max-new-tokens", "8",
+        "--batch-size", "8", "--dtype", "fp32", "--threads", "1")
+    assert list((regen / "shards-heldout").glob("*.jsonl")), "no held-out shard written"
+    for split, data in (("train", regen / "shards"), ("heldout", regen / "shards-heldout")):
+        run("teacher-cache", "--target", tiny_dir, "--data", data, "--out", cache / split, "--layer-ids", "1,2",
+            "--dtype", "fp32", "--threads", "1")
+    out = run("train", "--target", tiny_dir, "--cache", cache / "train", "--heldout-cache", cache / "heldout",
+              "--out-dir", run_dir, "--num-layers", "1", "--layer-ids", "1,2", "--block-size", "4", "--steps", "4",
+              "--eval-every", "2", "--eval-seqs", "4", "--walk-seqs", "2", "--draft-vocab-size", "64",
+              "--precision", "fp32", "--threads", "1")
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and "tau4" in summary
+    curve = [json.loads(x) for x in (run_dir / "curve.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == [0, 2, 4]
+    gen = json.loads(run("generate", "--target", tiny_dir, "--draft", run_dir / "draft", "--dtype", "fp32",
+                         "--max-new-tokens", "12", "--json", "Hello there").stdout)
+    plain = json.loads(run("generate", "--target", tiny_dir, "--draft", "none", "--dtype", "fp32",
+                           "--max-new-tokens", "12", "--json", "Hello there").stdout)
+    assert gen["text"] == plain["text"]  # lossless with the new draft

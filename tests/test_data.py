@@ -164,7 +164,7 @@ def test_pack_roundtrip(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from blockdraft.loading import materialize, resolve_target

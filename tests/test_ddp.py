@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from blockdraft.target import TargetModel
-from blockdraft.train.trainer import TrainConfig, train
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import train
 from conftest import MASK_ID, tiny_llama
 
 
@@ -20,7 +21,8 @@ def _records(target: TargetModel) -> list[dict]:
 
 def _cfg(out: str, batch: int) -> TrainConfig:
     return TrainConfig(out_dir=out, num_layers=1, block_size=4, num_target_features=2, mask_token_id=MASK_ID,
-                       num_anchors=6, lr=1e-3, batch_size=batch, max_steps=3, save_every=100, dtype="fp32")
+                       anchors=6, lr=1e-3, seqs_per_step=batch, steps=3, save_every=100, precision="fp32",
+                       init="random", draft_vocab_size=0, warmup=1, min_lr_ratio=0.0)
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:

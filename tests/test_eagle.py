@@ -15,7 +15,8 @@ from blockdraft.proposers.eagle import EagleProposer
 from blockdraft.target import TargetModel
 from blockdraft.train.blocks import IGNORE
 from blockdraft.train.eagle import ttt_forward, ttt_labels
-from blockdraft.train.trainer import TrainConfig, train
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import train
 from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama, tiny_qwen3
 
 N_NEW = 30
@@ -284,8 +285,8 @@ def _records(n: int, length: int, seed: int) -> list[dict]:
 
 
 def _cfg(tmp_path, **kw) -> TrainConfig:
-    base = dict(out_dir=str(tmp_path / "run"), method="eagle", ttt_steps=2, lr=5e-3, batch_size=2, max_steps=25,
-                save_every=5, log_every=1, dtype="fp32", seed=0, warmup_ratio=0.0)
+    base = dict(out_dir=str(tmp_path / "run"), method="eagle", ttt_steps=2, lr=5e-3, seqs_per_step=2, steps=25,
+                save_every=5, log_every=1, precision="fp32", seed=0, warmup=1, min_lr_ratio=0.0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -312,7 +313,7 @@ def test_eagle_training_overfits_and_logs_per_step_accuracy(llama_target, tmp_pa
 
 def test_eagle_resume_replays_the_uninterrupted_run(llama_target, tmp_path, one_thread):
     recs = _records(3, 19, seed=2)
-    kw = dict(max_steps=8, save_every=3)
+    kw = dict(steps=8, save_every=3)
     full = train(_cfg(tmp_path / "a", **kw), target=llama_target, records=recs, progress=False)
     part = train(_cfg(tmp_path / "b", **kw), target=llama_target, records=recs, progress=False, stop_after=4)
     rest = train(_cfg(tmp_path / "b", **kw), target=llama_target, records=recs, progress=False, resume=True)

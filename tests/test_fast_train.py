@@ -1,4 +1,5 @@
-"""The CPU-fast training path (train/teacher.py, train/blockattn.py, train/fast.py) on tiny random models."""
+"""Training from teacher caches (train/teacher.py, train/blockattn.py, train/cached.py through the one loop in
+train/trainer.py) on tiny random models."""
 
 from __future__ import annotations
 
@@ -11,13 +12,31 @@ import torch
 from blockdraft.target import TargetModel
 from blockdraft.train.blockattn import block_forward
 from blockdraft.train.blocks import block_attention_mask
-from blockdraft.train.fast import FastConfig, train_fast
+from blockdraft.train.cached import frequent_greedy_tokens
+from blockdraft.train.checkpoint import latest_checkpoint
+from blockdraft.train.config import TrainConfig
 from blockdraft.train.curve import evaluate
 from blockdraft.train.batches import make_batch, valid_anchors, DraftHead
 from blockdraft.train.teacher import TeacherCache, build_teacher_cache
-from blockdraft.train.trainer import TrainModule
+from blockdraft.train.live import TrainModule
+from blockdraft.train.trainer import make_draft, train
 
 from conftest import MASK_ID, VOCAB, ToyTokenizer, seeded, tiny_draft, tiny_llama
+
+
+def make_fast_draft(cfg: TrainConfig, target, cache: TeacherCache):
+    """The draft a cache-source run starts from (its reduced vocabulary counted on `cache`)."""
+    return make_draft(cfg, target, lambda n: frequent_greedy_tokens(cache, n, target.vocab_size,
+                                                                    target.eos_token_ids))
+
+
+def _saved(run_dir) -> dict:
+    """The newest checkpoint of a run: {"draft": its weights, "state": its training state}."""
+    from safetensors.torch import load_file
+
+    ckpt = latest_checkpoint(run_dir)
+    return {"draft": load_file(str(ckpt / "draft.safetensors")),
+            "state": json.loads((ckpt / "state.json").read_text())}
 
 
 def _records(n: int, seed: int) -> list[dict]:
@@ -160,17 +179,17 @@ def test_training_draws_from_several_caches_with_their_own_layer_order(tiny_targ
     assert len(a) == 3
     cfg = _fast_cfg(tmp_path, cache=f"{tmp_path / 'tc'},{tmp_path / 'tc2'}", steps=3, eval_every=3)
     with seeded(0):
-        last = train_fast(cfg, tiny_target)
+        last = train(cfg, tiny_target)
     assert last["step"] == 3
 
 
-def _fast_cfg(tmp_path, **kw) -> FastConfig:
+def _fast_cfg(tmp_path, **kw) -> TrainConfig:
     base = dict(cache=str(tmp_path / "tc"), heldout_cache=str(tmp_path / "held"), out_dir=str(tmp_path / "run"),
                 layer_ids=[1, 3], num_layers=2, init="random", block_size=4, anchors=6, seqs_per_step=2, steps=6,
                 lr=3e-3, warmup=2, draft_vocab_size=40, eval_every=3, save_every=3, eval_seqs=3, eval_anchors=4,
-                threads=1, kd_weight=0.5, mask_token_id=MASK_ID)
+                threads=1, kd_weight=0.5, mask_token_id=MASK_ID, gamma=7.0)
     base.update(kw)
-    return FastConfig(**base)
+    return TrainConfig(**base)
 
 
 def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_target, tmp_path):
@@ -178,16 +197,16 @@ def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_targ
     build_teacher_cache(tiny_target, recs[:6], tmp_path / "tc", [1, 3], topk=4)
     build_teacher_cache(tiny_target, recs[6:], tmp_path / "held", [1, 3], topk=4)
     with seeded(0):
-        train_fast(_fast_cfg(tmp_path), tiny_target)
-    full = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+        train(_fast_cfg(tmp_path), tiny_target)
+    full = _saved(tmp_path / "run")
     curve = [json.loads(x) for x in (tmp_path / "run" / "curve.jsonl").read_text().splitlines()]
     assert [c["step"] for c in curve] == [0, 3, 6] and all(len(c["acc"]) == 3 for c in curve)
     # a run stopped after 3 steps and resumed gives the same weights as the uninterrupted one
     with seeded(0):
-        train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2"), steps=6, minutes=1e-9), tiny_target)
+        train(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2"), steps=6, minutes=1e-9), tiny_target)
     with seeded(0):
-        train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2")), tiny_target, resume=True)
-    part = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)
+        train(_fast_cfg(tmp_path, out_dir=str(tmp_path / "run2")), tiny_target, resume=True)
+    part = _saved(tmp_path / "run2")
     assert part["state"]["step"] == 6
     for k, v in full["draft"].items():
         torch.testing.assert_close(part["draft"][k], v, atol=0, rtol=0)
@@ -200,7 +219,6 @@ def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_targ
 def _cached_draft(target, tmp_path, n_records: int, record_seed: int, draft_seed: int):
     """A teacher cache of random records (layers 1, 3) and a seeded random draft over the full vocabulary ->
     (cache, draft, head, cols)."""
-    from blockdraft.train.fast import make_fast_draft
 
     build_teacher_cache(target, _records(n_records, seed=record_seed), tmp_path / "tc", [1, 3], topk=4)
     cache = TeacherCache(tmp_path / "tc")
@@ -231,7 +249,7 @@ def test_evaluate_implied_tau_matches_a_naive_count(tiny_target, tmp_path):
 
 
 def test_sigterm_stops_after_a_step_checkpoints_and_exports(tiny_target, tmp_path):
-    """SIGTERM during a run: the loop ends after the current step, state.pt and the draft are written, and
+    """SIGTERM during a run: the loop ends after the current step, a checkpoint and the draft are written, and
     --resume continues from that step."""
     import os
     import signal
@@ -245,22 +263,22 @@ def test_sigterm_stops_after_a_step_checkpoints_and_exports(tiny_target, tmp_pat
     timer.start()
     try:
         with seeded(0):
-            train_fast(cfg, tiny_target)
+            train(cfg, tiny_target)
     finally:
         timer.cancel()
-    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)["state"]
+    state = _saved(tmp_path / "run")["state"]
     assert 0 < state["step"] < 100_000
     assert (tmp_path / "run" / "draft" / "model.safetensors").is_file()
     assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
     with seeded(0):
-        train_fast(_fast_cfg(tmp_path, steps=state["step"] + 2), tiny_target, resume=True)
-    assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["state"]["step"] == state["step"] + 2
+        train(_fast_cfg(tmp_path, steps=state["step"] + 2), tiny_target, resume=True)
+    assert _saved(tmp_path / "run")["state"]["step"] == state["step"] + 2
 
 
 def test_bool_flags_parse_strictly():
-    """FastConfig's bool fields on the command line: 'false' must turn an option off (a plain str would be truthy)."""
+    """TrainConfig's bool fields on the command line: 'false' must turn an option off (a plain str would be truthy)."""
     from blockdraft.cli import build_parser
-    from blockdraft.train.fast import parse_bool
+    from blockdraft.train.config import parse_bool
 
     args = build_parser().parse_args(["train-fast", "--bucket", "false", "--chain-labels", "yes"])
     assert args.bucket is False and args.chain_labels is True
@@ -269,28 +287,27 @@ def test_bool_flags_parse_strictly():
 
 
 def test_recipes_load_as_fast_configs_and_flags_override_them(tmp_path):
-    """Every shipped recipe names only FastConfig fields with values of the fields' types; a flag given on the
+    """Every shipped recipe names only TrainConfig fields with values of the fields' types; a flag given on the
     command line wins over the recipe; an unknown name is refused with the file's path."""
     from pathlib import Path
 
-    from blockdraft.cli import build_parser, cmd_train_fast
-    from blockdraft.train.fast import FastConfig
+    from blockdraft.cli import build_parser, cmd_train
 
     recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
     assert recipes
     for path in recipes:
-        cfg = FastConfig.from_yaml(path)
+        cfg = TrainConfig.from_yaml(path)
         assert isinstance(cfg.lr, float) and isinstance(cfg.steps, int)
         assert all(isinstance(i, int) for i in cfg.layer_ids)
-    cfg = FastConfig.from_yaml(recipes[0], lr=1e-3, steps=None)
-    assert cfg.lr == 1e-3 and cfg.steps == FastConfig.from_yaml(recipes[0]).steps
+    cfg = TrainConfig.from_yaml(recipes[0], lr=1e-3, steps=None)
+    assert cfg.lr == 1e-3 and cfg.steps == TrainConfig.from_yaml(recipes[0]).steps
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: 10\nlearning_rate: 0.1\n")
-    with pytest.raises(ValueError, match="bad.yaml: unknown train-fast options \\['learning_rate'\\]"):
-        FastConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="bad.yaml: unknown training options \\['learning_rate'\\]"):
+        TrainConfig.from_yaml(bad)
     args = build_parser().parse_args(["train-fast", "--config", str(bad)])
-    with pytest.raises(ValueError, match="unknown train-fast options"):
-        cmd_train_fast(args)
+    with pytest.raises(ValueError, match="unknown training options"):
+        cmd_train(args)
 
 
 def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_path):
@@ -325,7 +342,6 @@ def test_walk_tau_replays_greedy_decoding_like_a_plain_loop(tiny_target, tmp_pat
 def test_a_continued_draft_may_gain_taps_and_layers_but_not_lose_taps(tiny_target, tmp_path):
     """init=DIR with more layer ids or layers than the saved draft extends it (function kept: draft.py's test);
     a run that drops a layer the draft reads is refused, before any training."""
-    from blockdraft.train.fast import make_fast_draft
 
     cache, draft, _, _ = _cached_draft(tiny_target, tmp_path, 3, record_seed=4, draft_seed=1)
     draft.save_pretrained(tmp_path / "saved")
@@ -377,7 +393,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     build_teacher_cache(tiny_target, records, tmp_path / "own", [1, 3], topk=4)
     own = str(tmp_path / "own")
     with seeded(15):
-        train_fast(_fast_cfg(tmp_path, cache=own, heldout_cache=own, steps=40, anchors=0, kd_weight=0.0,
+        train(_fast_cfg(tmp_path, cache=own, heldout_cache=own, steps=40, anchors=0, kd_weight=0.0,
                              draft_vocab_size=VOCAB, eval_every=1000, save_every=1000, walk_seqs=0,
                              next_token_feature=next_token, copy_gate=copy_gate), tiny_target)
     draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft", dtype=torch.float32).eval()
@@ -456,8 +472,8 @@ def test_precision_reaches_the_training_step_and_auto_follows_the_cpu(tiny_targe
     weights = {}
     for name, prec in (("a", "fp32"), ("b", "fp32"), ("c", "bf16")):
         with seeded(0):
-            train_fast(_fast_cfg(tmp_path, out_dir=str(tmp_path / name), steps=2, precision=prec), tiny_target)
-        weights[name] = torch.load(tmp_path / name / "state.pt", weights_only=False)["draft"]
+            train(_fast_cfg(tmp_path, out_dir=str(tmp_path / name), steps=2, precision=prec), tiny_target)
+        weights[name] = _saved(tmp_path / name)["draft"]
     # fp32 is deterministic; bf16 autocast rounds the matmuls, so the same seeded steps land elsewhere
     for k, v in weights["a"].items():
         torch.testing.assert_close(weights["b"][k], v, atol=0, rtol=0)

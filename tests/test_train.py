@@ -8,7 +8,10 @@ import torch
 
 from blockdraft.target import TargetModel
 from blockdraft.train.features import OfflineFeatures, OnlineFeatures, precompute_features
-from blockdraft.train.trainer import TrainConfig, evaluate_tau, load_records, prompt_of, sample_loss, train
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.live import TrainModule, evaluate_tau, frequent_tokens, prompt_of, sample_loss
+from blockdraft.train.records import load_records
+from blockdraft.train.trainer import make_draft, train
 from conftest import MASK_ID, seeded, tiny_llama
 
 
@@ -32,15 +35,15 @@ def regenerated(target: TargetModel, n: int, seed: int, new_tokens: int = 48) ->
 
 def _cfg(tmp_path, **kw) -> TrainConfig:
     base = dict(out_dir=str(tmp_path / "run"), num_layers=1, block_size=8, num_target_features=2,
-                mask_token_id=MASK_ID, num_anchors=16, lr=3e-3, batch_size=2, max_steps=12, save_every=5,
-                log_every=1, dtype="fp32", seed=0)
+                mask_token_id=MASK_ID, anchors=16, lr=3e-3, seqs_per_step=2, steps=12, save_every=5,
+                log_every=1, precision="fp32", seed=0, init="random", draft_vocab_size=0, warmup=1, min_lr_ratio=0.0)
     base.update(kw)
     return TrainConfig(**base)
 
 
 def test_loss_decreases(tiny, tmp_path):
     recs = regenerated(tiny, 8, seed=1)
-    summary = train(_cfg(tmp_path, max_steps=40), target=tiny, records=recs, progress=False)
+    summary = train(_cfg(tmp_path, steps=40), target=tiny, records=recs, progress=False)
     first, last = sum(summary["losses"][:5]) / 5, sum(summary["losses"][-5:]) / 5
     assert last < first - 0.15, (first, last)  # deterministic run: 4.58 -> 4.36 when written
     log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
@@ -62,10 +65,9 @@ def test_resume_replays_the_uninterrupted_run(tiny, tmp_path):
 def test_trained_draft_accepts_more_on_heldout_text(tiny, tmp_path):
     recs, held = regenerated(tiny, 48, seed=4), regenerated(tiny, 6, seed=5)
     prompts = [prompt_of(r) for r in held]
-    cfg = _cfg(tmp_path, max_steps=150, batch_size=2, num_layers=2, lr=3e-3, save_every=1000, log_every=50)
+    cfg = _cfg(tmp_path, steps=150, seqs_per_step=2, num_layers=2, lr=3e-3, save_every=1000, log_every=50)
     summary = train(cfg, target=tiny, records=recs, progress=False)
     from blockdraft.draft import DFlashDraftModel
-    from blockdraft.train.trainer import make_draft
 
     trained = DFlashDraftModel.from_pretrained(summary["out"], dtype=torch.float32)
     untrained = make_draft(cfg, tiny)
@@ -80,7 +82,6 @@ def test_online_and_offline_features_give_the_same_batches(tiny, tmp_path):
     precompute_features(tiny, layers, recs, tmp_path / "feats", shard_size=2, dtype=torch.float32)
     online, offline = OnlineFeatures(tiny, layers), OfflineFeatures(tmp_path / "feats", layers)
     cfg = _cfg(tmp_path, num_target_features=2)
-    from blockdraft.train.trainer import TrainModule, make_draft
 
     draft = make_draft(cfg, tiny)
     assert draft.config.target_layer_ids == layers
@@ -115,12 +116,11 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
 
 def test_reduced_vocabulary_training(tiny, tmp_path):
     from blockdraft.draft import DFlashDraftModel
-    from blockdraft.train.trainer import frequent_tokens
 
     recs = regenerated(tiny, 6, seed=8, new_tokens=24)
     top = frequent_tokens(recs, 10, 99, always=(97,))
     assert top.numel() == 10 and 97 in top.tolist() and torch.equal(top, top.sort().values)
-    summary = train(_cfg(tmp_path, draft_vocab_size=10, max_steps=4), target=tiny, records=recs, progress=False)
+    summary = train(_cfg(tmp_path, draft_vocab_size=10, steps=4), target=tiny, records=recs, progress=False)
     assert all(l == l for l in summary["losses"])  # finite, no NaN
     d = DFlashDraftModel.from_pretrained(summary["out"])
     assert d.config.draft_vocab_size == 10 and d.vocab_ids.tolist() == top.tolist()
@@ -157,7 +157,6 @@ def test_layer_init_from_target_reproduces_its_values(tiny):
 def test_target_labels_are_the_targets_greedy_tokens(tiny, tmp_path):
     """Teacher-forced target labels equal the data's labels on the target's own greedy text (same loss, fp32), and
     differ on text the target would not write."""
-    from blockdraft.train.trainer import TrainModule, make_draft
 
     greedy = regenerated(tiny, 1, seed=9, new_tokens=30)[0]
     noise = dict(greedy, id="noise", input_ids=greedy["input_ids"][:8] + torch.randint(

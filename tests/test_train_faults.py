@@ -24,7 +24,9 @@ from blockdraft.draft import DFlashDraftModel
 from blockdraft.target import TargetModel
 from blockdraft.train import records as R
 from blockdraft.train.checkpoint import FAULT_ENV, latest_checkpoint
-from blockdraft.train.trainer import TrainConfig, load_records, train
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.records import load_records
+from blockdraft.train.trainer import train
 from conftest import MASK_ID, VOCAB, tiny_llama
 
 # every place in save_checkpoint where a kill leaves something different on disk, in write order
@@ -46,8 +48,8 @@ def _records(n: int, seed: int) -> list[dict]:
 
 def _cfg(out, **kw) -> TrainConfig:
     base = dict(out_dir=str(out), num_layers=1, block_size=4, num_target_features=2, mask_token_id=MASK_ID,
-                num_anchors=4, lr=3e-3, batch_size=2, max_steps=TOTAL, save_every=SAVE_EVERY, keep_last=2, log_every=1,
-                dtype="fp32", seed=0)
+                anchors=4, lr=3e-3, seqs_per_step=2, steps=TOTAL, save_every=SAVE_EVERY, keep_last=2, log_every=1,
+                precision="fp32", seed=0, init="random", draft_vocab_size=0, warmup=1, min_lr_ratio=0.0)
     return TrainConfig(**(base | kw))
 
 
@@ -156,7 +158,7 @@ def test_sigkill_anywhere_resumes_from_last_complete_checkpoint_and_replays_loss
 
 def test_damaged_checkpoint_is_refused_by_name(tiny, tmp_path, one_thread):
     recs = _records(4, seed=16)
-    cfg = _cfg(tmp_path / "run", max_steps=6, save_every=2, keep_last=3)
+    cfg = _cfg(tmp_path / "run", steps=6, save_every=2, keep_last=3)
     train(cfg, target=tiny, records=recs, progress=False)
     ckpts = tmp_path / "run" / "checkpoints"
     optim = ckpts / "step-0000006" / "optim.pt"

@@ -184,7 +184,7 @@ def cmd_features(args) -> int:
     from .eagle import EagleDraftModel, is_eagle_draft
     from .loading import load_target
     from .train.features import precompute_features
-    from .train.trainer import load_records
+    from .train.records import load_records
 
     target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
@@ -196,14 +196,19 @@ def cmd_features(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """Train a draft (train/trainer.py): from teacher caches (cache=...) or from records (data=...)."""
     from dataclasses import fields
 
-    from .train.trainer import TrainConfig, train
+    from .train.config import TrainConfig
+    from .train.trainer import train
 
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    cfg = TrainConfig.from_yaml(args.config, **overrides) if args.config else TrainConfig(**overrides)
-    if not cfg.data:
-        raise ValueError("no training data: pass --data DIR|FILE.npz (or set `data:` in the config file)")
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    if "layer_ids" in kw:
+        kw["layer_ids"] = [int(x) for x in kw["layer_ids"].split(",")]
+    cfg = TrainConfig.from_yaml(args.config, **kw) if args.config else TrainConfig(**kw)
+    if not cfg.cache and not cfg.data:
+        raise ValueError("no training data: pass --cache DIR (a teacher cache, with --heldout-cache) or --data DIR "
+                         "(records), or set one of them in the --config file")
     log.info("training config: %s", cfg)
     summary = train(cfg, resume=args.resume)
     summary.pop("losses", None)
@@ -215,24 +220,23 @@ def _train_args(t: argparse.ArgumentParser) -> None:
     """Every TrainConfig field as an optional flag (None = keep the config file's or the default value)."""
     from dataclasses import MISSING, fields
 
-    from .train.trainer import TrainConfig
+    from .train.config import TrainConfig, parse_bool
 
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        if f.type in ("bool", bool):
-            t.add_argument(flag, dest=f.name, action="store_const", const=True, default=None,
-                           help=f"(default {default})")
-        else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            t.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default {default})")
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if f.name == "layer_ids":
+            default = "a continued draft's, else --num-target-features spread over the target's depth"
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float, "bool": parse_bool}.get(
+            str(f.type), str)
+        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                       help=f"(default {default})")
 
 
 def cmd_teacher_cache(args) -> int:
     """Prefill the target over training records once: features, greedy labels, top-k logits (train/teacher.py)."""
     from .loading import load_target
     from .train.teacher import build_teacher_cache
-    from .train.trainer import load_records
+    from .train.records import load_records
 
     if args.threads:
         import torch
@@ -253,40 +257,6 @@ def cmd_teacher_cache(args) -> int:
     out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len)
     print(json.dumps({"out": str(out), "records": len(records), "layer_ids": layers}))
     return 0
-
-
-def cmd_train_fast(args) -> int:
-    """Train a DFlash draft on teacher caches (train/fast.py)."""
-    from dataclasses import fields
-
-    from .loading import load_target
-    from .train.fast import FastConfig, train_fast
-
-    kw = {f.name: getattr(args, f.name) for f in fields(FastConfig) if getattr(args, f.name, None) is not None}
-    if "layer_ids" in kw:
-        kw["layer_ids"] = [int(x) for x in kw["layer_ids"].split(",")]
-    cfg = FastConfig.from_yaml(args.config, **kw) if args.config else FastConfig(**kw)
-    if not cfg.cache or not cfg.heldout_cache:
-        raise ValueError("train-fast needs --cache DIR and --heldout-cache DIR (written by `blockdraft teacher-cache`)")
-    log.info("fast training config: %s", cfg)
-    target, _ = load_target(args.target, "bf16", weights="bf16")
-    print(json.dumps(train_fast(cfg, target, resume=args.resume)))
-    return 0
-
-
-def _fast_args(t: argparse.ArgumentParser) -> None:
-    """Every FastConfig field as an optional flag (None = the dataclass default)."""
-    from dataclasses import MISSING, fields
-
-    from .train.fast import FastConfig, parse_bool
-
-    for f in fields(FastConfig):
-        default = f.default if f.default is not MISSING else f.default_factory()
-        if f.name == "layer_ids":
-            default = "a continued draft's, else 2 spread over the target's depth"
-        kind = {"int": int, "float": float, "int | None": int, "bool": parse_bool}.get(str(f.type), str)
-        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                       help=f"(default {default})")
 
 
 def cmd_export(args) -> int:
@@ -358,12 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True)
     f.set_defaults(func=cmd_features)
 
-    t = sub.add_parser("train", help="train a DFlash draft, or the EAGLE-3 baseline with --method eagle "
-                                     "(flags override --config FILE.yaml)")
-    t.add_argument("--config", default=None)
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
-    _train_args(t)
-    t.set_defaults(func=cmd_train)
+    for name in ("train", "train-fast"):
+        t = sub.add_parser(name, help="train a DFlash draft from teacher caches (--cache, the fast path on a CPU) "
+                                      "or from records (--data; also the EAGLE-3 baseline, --method eagle)"
+                           if name == "train" else "the same as train")
+        t.add_argument("--config", default=None, help="a recipe (YAML of the options below, e.g. recipes/*.yaml); "
+                                                      "flags given here override it")
+        t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
+        _train_args(t)
+        t.set_defaults(func=cmd_train)
 
     x = sub.add_parser("export", help="export a DFlash draft (or, without --draft, the target) for llama.cpp")
     x.add_argument("--format", default="gguf", choices=["gguf"])
@@ -374,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export)
 
     tc = sub.add_parser("teacher-cache", help="cache the target's features, greedy labels and top-k logits over "
-                                              "training records (for train-fast; resumable)")
+                                              "training records (for train --cache; resumable)")
     tc.add_argument("--target", default=None)
     tc.add_argument("--data", required=True, help="JSONL shard directory or packed .npz of records")
     tc.add_argument("--out", required=True)
@@ -389,14 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "cache stores bf16 features either way)")
     tc.set_defaults(func=cmd_teacher_cache)
 
-    tf = sub.add_parser("train-fast", help="train a DFlash draft on teacher caches, with a learning curve against "
-                                           "held-out records (CPU-fast path)")
-    tf.add_argument("--target", default=None)
-    tf.add_argument("--resume", action="store_true")
-    tf.add_argument("--config", default=None, help="a recipe (YAML of the options below, e.g. recipes/*.yaml); "
-                                                   "flags given here override it")
-    _fast_args(tf)
-    tf.set_defaults(func=cmd_train_fast)
 
     from .eval.bench import register as register_bench
 

@@ -1,4 +1,4 @@
-"""Training and evaluation batches of the fast path (train/fast.py): which block rows a sequence contributes, what
+"""Training and evaluation batches of the cache source (train/cached.py): which block rows a sequence contributes, what
 labels they carry, and the frozen head they are scored through.
 
 A block at anchor p holds the anchor token and B-1 mask rows; row k is labelled with the target's own greedy choice

@@ -90,7 +90,7 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpt
 
 
-def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, sched, state: dict, keep_last: int) -> Path:
+def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, state: dict, keep_last: int) -> Path:
     """Write checkpoints/step-N atomically (module docstring), point `latest` at it, then keep the last
     `keep_last`."""
     from safetensors.torch import save_file
@@ -107,8 +107,8 @@ def save_checkpoint(out: Path, draft: DFlashDraftModel, opt, sched, state: dict,
                for k, v in draft.state_dict().items()}
     save_file(weights, str(tmp / "draft.safetensors"))
     _fault_point("draft.safetensors", step)
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
+    # (no scheduler state: the learning rate is a function of the step)
+    torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
     _fault_point("optim.pt", step)
     (tmp / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=2))
     _fault_point("config.json", step)
@@ -160,14 +160,13 @@ def export_draft(draft: DFlashDraftModel, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, draft: DFlashDraftModel, opt, sched) -> dict:
-    """Restore model, optimizer, scheduler and RNG from `ckpt` -> the training state (step, samples seen, config)."""
+def load_checkpoint(ckpt: Path, draft: DFlashDraftModel, opt) -> dict:
+    """Restore model, optimizer and RNG from `ckpt` -> the training state (step, samples seen, config)."""
     from safetensors.torch import load_file
 
     draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")))
     blob = torch.load(ckpt / "optim.pt", weights_only=False)
     opt.load_state_dict(blob["optimizer"])
-    sched.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
     state = json.loads((ckpt / "state.json").read_text())
     state.pop("files", None)
@@ -176,7 +175,7 @@ def load_checkpoint(ckpt: Path, draft: DFlashDraftModel, opt, sched) -> dict:
 
 def trim_log(path: Path, step: int) -> None:
     """On resume from `step`: drop the log entries of later steps (the resumed run writes them again) and a line
-    torn by a kill, so train_log.jsonl reads as one uninterrupted run."""
+    torn by a kill, so train_log.jsonl / curve.jsonl read as one uninterrupted run."""
     if not path.is_file():
         return
     kept = []

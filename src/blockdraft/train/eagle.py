@@ -26,7 +26,9 @@ from torch import nn
 from ..eagle import EagleConfig, EagleDraftModel
 from ..target import TargetModel
 from .blocks import IGNORE
+from .config import INITS
 from .loss import LossOutput, block_loss
+from .precision import autocast
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step j: 0.8^j
 
@@ -107,20 +109,22 @@ class EagleTrainModule(nn.Module):
 
 
 def make_eagle_draft(cfg, target: TargetModel) -> EagleDraftModel:
-    """A fresh fp32 EAGLE drafter for `target` (or `cfg.init_draft` when given), seeded by cfg.seed."""
-    if cfg.init_draft:
-        draft = EagleDraftModel.from_pretrained(cfg.init_draft, dtype=torch.float32)
+    """A fresh fp32 EAGLE drafter for `target` (or the draft directory `cfg.init` names), seeded by cfg.seed."""
+    if cfg.init not in INITS:
+        draft = EagleDraftModel.from_pretrained(cfg.init, dtype=torch.float32)
         draft.check_compatible(target)
         return draft
     torch.manual_seed(cfg.seed)
     return EagleDraftModel(EagleConfig.from_target(target.config)).float().init_from_target(target)
 
 
-def eagle_sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg) -> LossOutput | None:
-    """TTT loss of one training sequence; None when it has no labelled row. correct/counted are per step [S+1]."""
+def eagle_sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg,
+                      dtype: torch.dtype = torch.float32) -> LossOutput | None:
+    """TTT loss of one training sequence; None when it has no labelled row. correct/counted are per step [S+1];
+    dtype: the autocast compute type."""
     steps = cfg.ttt_steps
-    ids = torch.tensor(record["input_ids"][: cfg.max_seq_len], dtype=torch.long)
-    lm = torch.tensor(record["loss_mask"][: cfg.max_seq_len], dtype=torch.long)
+    ids = torch.tensor(record["input_ids"][: cfg.max_len], dtype=torch.long)
+    lm = torch.tensor(record["loss_mask"][: cfg.max_len], dtype=torch.long)
     if ids.numel() < 3:
         return None
     labels = ttt_labels(ids, lm, steps).to(target.device)
@@ -132,9 +136,7 @@ def eagle_sample_loss(module: nn.Module, target: TargetModel, record: dict, feat
         embeds = target.embed(ids.unsqueeze(0).to(target.device))
     step = torch.arange(steps + 1, device=labels.device).unsqueeze(1).expand_as(labels)
     decay = 1.0 if cfg.no_loss_decay else STEP_DECAY
-    autocast = torch.autocast("cpu" if target.device.type == "cpu" else "cuda", dtype=torch.bfloat16,
-                              enabled=cfg.dtype == "bf16")
-    with autocast:
+    with autocast(dtype, target.device.type):
         hidden = module(feats, embeds)  # [S+1, L-1, H]
         # only labelled rows go through the LM head (prompt rows are computed: later rows attend to them)
         return block_loss(hidden[valid], labels[valid], step[valid], decay ** step[valid].float(),

@@ -30,19 +30,19 @@ def native_bf16() -> bool:
     return False
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    """'bf16' / 'fp32', or 'auto': bf16 where the CPU multiplies it natively, else fp32."""
+def compute_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
+    """'bf16' / 'fp32', or 'auto': bf16 on a GPU and where the CPU multiplies it natively, else fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
+        return torch.bfloat16 if device_type == "cuda" or native_bf16() else torch.float32
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def autocast(dtype: torch.dtype):
-    """bf16 autocast on the CPU for dtype bf16; a no-op context for fp32."""
+def autocast(dtype: torch.dtype, device_type: str = "cpu"):
+    """bf16 autocast (on `device_type`) for dtype bf16; a no-op context for fp32."""
     if dtype == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 

@@ -246,3 +246,14 @@ def load_packed(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}: record {k} (id {str(ids[k])!r}) {why}")
     return [{"id": str(ids[k]), "input_ids": tokens[offsets[k]:offsets[k + 1]].astype(np.int64).tolist(),
              "loss_mask": mask[offsets[k]:offsets[k + 1]].astype(np.int64).tolist()} for k in range(len(ids))]
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """Training records from a JSONL shard directory or a packed `.npz`; a clear error when there are none."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"training data not found: {p}")
+    records = load_packed(p) if p.suffix == ".npz" else list(read_shards(p))
+    if not records:
+        raise ValueError(f"no training records in {p}")
+    return records
