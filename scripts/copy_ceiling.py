@@ -19,9 +19,9 @@ import sys
 import numpy as np
 import torch
 
-from blockdraft.draft import DFlashDraftModel
+from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.loading import load_target
-from blockdraft.ngram import lookup_table
+from blockdraft.models.ngram import lookup_table
 from blockdraft.train.batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from blockdraft.train.blockattn import block_forward
 from blockdraft.train.teacher import TeacherCache

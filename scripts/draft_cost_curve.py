@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import SamplingParams
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
-from blockdraft.eagle import EagleConfig, EagleDraftModel
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
+from blockdraft.models.eagle import EagleConfig, EagleDraftModel
 from blockdraft.eval.bench import machine_info
 from blockdraft.loading import default_mask_token_id, load_target
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.proposers.eagle import EagleProposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.eagle import EagleProposer
 
 GREEDY = SamplingParams()
 

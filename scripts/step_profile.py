@@ -25,8 +25,8 @@ import torch
 
 from blockdraft.eval.bench import machine_info
 from blockdraft.loading import load_target
-from blockdraft.quant import quant_kernels
-from blockdraft.target import TargetModel
+from blockdraft.models.quant import quant_kernels
+from blockdraft.models.target import TargetModel
 
 
 def main() -> int:

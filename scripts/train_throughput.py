@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from blockdraft.draft import DFlashDraftModel
+from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.loading import load_target
 from blockdraft.train.cached import batch_loss
 from blockdraft.train.config import TrainConfig

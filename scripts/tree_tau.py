@@ -14,12 +14,12 @@ import json
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashDraftModel
+from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.decode.engine import Engine
 from blockdraft.eval.tasks import load_task
 from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.proposers.lookup import PromptLookupProposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.lookup import PromptLookupProposer
 
 
 def main() -> int:

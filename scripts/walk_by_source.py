@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from blockdraft.draft import DFlashDraftModel
+from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.loading import load_target
 from blockdraft.train.batches import DraftHead
 from blockdraft.train.curve import walk_tau

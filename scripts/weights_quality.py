@@ -21,8 +21,8 @@ import torch
 
 from blockdraft.eval.bench import machine_info
 from blockdraft.loading import load_target
-from blockdraft.quant import plan_weights
-from blockdraft.target import TargetModel
+from blockdraft.models.quant import plan_weights
+from blockdraft.models.target import TargetModel
 from blockdraft.train.records import load_records
 
 

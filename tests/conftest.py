@@ -11,9 +11,9 @@ import contextlib
 import pytest
 import torch
 
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
-from blockdraft.target import TargetModel
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
+from blockdraft.models.target import TargetModel
 
 VOCAB = 99
 MASK_ID = 98

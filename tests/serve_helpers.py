@@ -22,10 +22,10 @@ API_KEY = "sk-test-123"
 def tiny_model_dir(out: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from blockdraft.draft import DFlashDraftModel
-    from blockdraft.draft_config import DFlashConfig
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
     from blockdraft.loading import materialize, resolve_target
-    from blockdraft.target import TargetModel
+    from blockdraft.models.target import TargetModel
 
     tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
     # initializer_range 0.5: a random tiny model with HF's 0.02 emits "\n" forever, poor material for stop strings

@@ -5,15 +5,15 @@ stops, sampling, streaming and cancellation; the native stack's rows are bit-ide
 import pytest
 import torch
 
-from blockdraft.cache import KVCache
+from blockdraft.models.cache import KVCache
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
-from blockdraft.proposers import Proposal, Proposer
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.proposers.lookup import PromptLookupProposer
-from blockdraft.proposers.tree import TreeProposer
-from blockdraft.quant import WeightPlan
-from blockdraft.target import TargetModel
+from blockdraft.decode.proposers import Proposal, Proposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.lookup import PromptLookupProposer
+from blockdraft.decode.proposers.tree import TreeProposer
+from blockdraft.models.quant import WeightPlan
+from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_llama_q
 
 
@@ -337,7 +337,7 @@ def test_sampling_inside_a_batch_keeps_the_target_distribution():
     eng = Engine(target, DFlashProposer(tiny_draft(target, block_size=4), target), max_batch=64)
     out = eng.run([(prompt, cfg, smp(s)) for s in range(n)])
     assert eng.batched_forwards > 0
-    from blockdraft.sampling import logits_to_probs
+    from blockdraft.decode.sampling import logits_to_probs
 
     with torch.no_grad():
         p1 = logits_to_probs(target.hf(prompt[None]).logits[0, -1], smp(0))
@@ -392,7 +392,7 @@ def test_native_rows_equal_solo_forwards_bit_for_bit(dtype, one_thread):
 
 
 def test_native_draft_rows_equal_solo_blocks(one_thread):
-    from blockdraft.draft_lean import LeanDraft
+    from blockdraft.models.draft_lean import LeanDraft
 
     target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
     draft = tiny_draft(target, block_size=5)
@@ -435,7 +435,7 @@ def test_the_measured_batch_policy_drafts_only_where_it_pays(llama_target):
     """With two or more rows, a step drafts when the verify cost says drafting commits more tokens per second: a
     cost that grows steeply with the width makes every step plain (until an exploring step), a flat one keeps
     drafting. Greedy output is the same either way."""
-    from blockdraft.calibrate import VerifyCost
+    from blockdraft.decode.calibrate import VerifyCost
     from blockdraft.decode import engine as engine_module
 
     prompts = _prompts((5, 11, 17))

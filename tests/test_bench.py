@@ -8,7 +8,7 @@ import pytest
 
 from blockdraft.eval import metrics as M
 from blockdraft.eval.bench import BenchConfig, config_from_args, register, run_bench
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_qwen3
 
 
@@ -191,7 +191,7 @@ def test_reference_methods_and_step_split(tmp_path):
 
 def test_weights_modes_run_side_by_side(tmp_path):
     """--weights bf16,int4: every engine method on float weights, and again as METHOD@int4 on quantized ones."""
-    from blockdraft import quant
+    from blockdraft.models import quant
     from conftest import tiny_llama_q
 
     if quant.kernel_status() is not None:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from blockdraft.cache import KVCache
+from blockdraft.models.cache import KVCache
 
 
 def _kv(layers, t, fill):

@@ -8,8 +8,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
 from conftest import tiny_draft
 
 LAYER_WEIGHTS = {

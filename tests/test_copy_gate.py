@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
-from blockdraft.copy_gate import (GATE_WEIGHTS_NAME, CopyGate, LookupTables, gated_ids, gated_logits,
+from blockdraft.models.copy_gate import (GATE_WEIGHTS_NAME, CopyGate, LookupTables, gated_ids, gated_logits,
                                   gated_probs_to_vocab)
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.ngram import lookup_continuation, lookup_table
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.models.ngram import lookup_continuation, lookup_table
 from conftest import naive_greedy, seeded, tiny_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.trainer import train
 from conftest import MASK_ID, tiny_llama

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from blockdraft.draft import DFlashDraftModel, check_compatible
-from blockdraft.draft_config import DFlashConfig, default_target_layer_ids
-from blockdraft.target import TargetModel
+from blockdraft.models.draft import DFlashDraftModel, check_compatible
+from blockdraft.models.draft_config import DFlashConfig, default_target_layer_ids
+from blockdraft.models.target import TargetModel
 from conftest import MASK_ID, tiny_draft, tiny_llama, tiny_qwen3
 
 
@@ -61,7 +61,7 @@ def test_incremental_context_equals_full_context(target: TargetModel):
 
 def test_batched_context_kv_equals_per_layer_projection(target: TargetModel):
     """The one-matmul projection for all layers equals each layer's own k/v projection (naive reference)."""
-    from blockdraft.draft import apply_rope, rope_cos_sin
+    from blockdraft.models.draft import apply_rope, rope_cos_sin
 
     draft = tiny_draft(target, layers=3)
     feats, _ = _inputs(target, draft)
@@ -127,7 +127,7 @@ def test_corrupt_draft_dir(tmp_path):
 def test_recommended_decode_block_size(tmp_path, llama_target):
     """A draft's config may recommend a decode block size (blockdraft.decode_block_size); it is the proposer's
     default, survives a save/load, and an explicit block size still wins."""
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     draft = tiny_draft(llama_target, layers=1)
     assert DFlashProposer(draft, llama_target).block_size == 8  # the trained size
@@ -180,7 +180,7 @@ def test_extending_taps_or_depth_keeps_the_draft_function(target: TargetModel):
 def test_next_token_feature_round_trips_and_stays_out_of_the_public_layout(tmp_path, llama_target):
     """The flag is saved under blockdraft's own config section (the public dflash_config is untouched), loads back
     with the wider fusion, and GGUF export for llama.cpp refuses such a draft with a clear error."""
-    from blockdraft.gguf_export import export_draft_gguf
+    from blockdraft.export.gguf import export_draft_gguf
 
     draft = tiny_draft(llama_target, layers=1).with_next_token_feature(scale=50.0)
     draft.save_pretrained(tmp_path / "d", dtype=torch.float32)

@@ -4,10 +4,10 @@ values, the same hidden states, the cache left as it was, and the same proposals
 import pytest
 import torch
 
-from blockdraft.cache import KVCache
+from blockdraft.models.cache import KVCache
 from blockdraft.config import SamplingParams
-from blockdraft.draft_lean import LeanDraft
-from blockdraft.proposers.dflash import DFlashProposer
+from blockdraft.models.draft_lean import LeanDraft
+from blockdraft.decode.proposers.dflash import DFlashProposer
 from conftest import MASK_ID, tiny_draft
 
 # fp32: fused projections sum each output in the same order as separate ones, but SDPA over a cache view and over a

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.eagle import EagleConfig, EagleDraftModel, eagle_target_layer_ids, is_eagle_draft
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.eagle import EagleConfig, EagleDraftModel, eagle_target_layer_ids, is_eagle_draft
 from blockdraft.decode.engine import Engine
-from blockdraft.proposers.eagle import EagleProposer
-from blockdraft.target import TargetModel
+from blockdraft.decode.proposers.eagle import EagleProposer
+from blockdraft.models.target import TargetModel
 from blockdraft.train.blocks import IGNORE
 from blockdraft.train.eagle import ttt_forward, ttt_labels
 from blockdraft.train.config import TrainConfig
@@ -362,7 +362,7 @@ class _EncodingTokenizer(ToyTokenizer):
 
 def test_dflash_draft_dir_still_builds_a_dflash_engine(llama_target, tmp_path):
     from blockdraft.loading import build_engine
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     tiny_draft(llama_target).save_pretrained(tmp_path / "d")
     assert isinstance(build_engine(llama_target, tmp_path / "d").proposer, DFlashProposer)

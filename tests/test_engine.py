@@ -7,9 +7,9 @@ import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
-from blockdraft.proposers import Proposal, Proposer
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.target import TargetModel
+from blockdraft.decode.proposers import Proposal, Proposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, naive_greedy, seeded, tiny_draft, tiny_llama
 
 N_NEW = 40
@@ -155,8 +155,8 @@ def test_bad_input_is_a_clear_error(llama_target):
 def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
     """A draft proposing among 20 of the 99 tokens: greedy output is still the target's, and the vocabulary
     mapping survives save/load (stored as vLLM's `d2t` offsets)."""
-    from blockdraft.draft import DFlashDraftModel
-    from blockdraft.draft_config import DFlashConfig
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
 
     cfg = DFlashConfig.from_target(llama_target.config, num_hidden_layers=1, block_size=8, mask_token_id=98,
                                    num_target_features=2, draft_vocab_size=20)
@@ -184,8 +184,8 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
 def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
     """Two DFlash drafts reading different target layers (2 vs 4 features) on one shared target, used alternately
     (as the benchmark and draft comparisons do): each generation taps its own draft's layers and stays lossless."""
-    from blockdraft.draft import DFlashDraftModel
-    from blockdraft.draft_config import DFlashConfig
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
     from conftest import MASK_ID
 
     target = TargetModel(tiny_llama(), ToyTokenizer())
@@ -205,8 +205,8 @@ def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target)
     """With a verify cost that makes every extra token dear, the proposer stops drafting after its first measured
     step (exploring again every ADAPT_EXPLORE_EVERY steps); with a flat one it drafts full blocks. The output is
     plain decoding's either way: only the number of drafted tokens changes, verification does not."""
-    from blockdraft.calibrate import VerifyCost
-    from blockdraft.proposers.dflash import ADAPT_EXPLORE_EVERY, DFlashProposer
+    from blockdraft.decode.calibrate import VerifyCost
+    from blockdraft.decode.proposers.dflash import ADAPT_EXPLORE_EVERY, DFlashProposer
 
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
@@ -231,8 +231,8 @@ def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target)
 
 
 def test_choose_width_maximises_expected_tokens_per_second(llama_target):
-    from blockdraft.calibrate import VerifyCost
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.calibrate import VerifyCost
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     cost = VerifyCost([1.0, 1.2, 1.5, 2.5, 3.0])
     prop = DFlashProposer(tiny_draft(llama_target, block_size=5), llama_target, verify_cost=cost)

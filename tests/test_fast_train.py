@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from blockdraft.train.blockattn import block_forward
 from blockdraft.train.blocks import block_attention_mask
 from blockdraft.train.cached import frequent_greedy_tokens
@@ -210,7 +210,7 @@ def test_train_fast_learns_resumes_exactly_and_writes_a_loadable_draft(tiny_targ
     assert part["state"]["step"] == 6
     for k, v in full["draft"].items():
         torch.testing.assert_close(part["draft"][k], v, atol=0, rtol=0)
-    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.models.draft import DFlashDraftModel
 
     d = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft")
     assert d.config.target_layer_ids == [1, 3] and d.config.draft_vocab_size == 40
@@ -375,10 +375,10 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     The draft is trained for a few steps on the target's own text first, so that blocks get accepted. fp32 on both
     sides; the cache keeps features rounded to bf16, so a near-tie may flip a step: at most 1 in 10 may differ."""
     from blockdraft.config import GenerationConfig
-    from blockdraft.ngram import lookup_continuation, lookup_table
-    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.models.ngram import lookup_continuation, lookup_table
+    from blockdraft.models.draft import DFlashDraftModel
     from blockdraft.decode.engine import Engine
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
     from blockdraft.train.curve import walk_lengths
 
     g = torch.Generator().manual_seed(14)
@@ -404,7 +404,7 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
         assert float(draft.copy_gate.table.detach()[:2, 1:4].abs().min()) > 0.02
         with torch.no_grad():  # random text rarely repeats: raise the bonus so that candidates decide many rows
             draft.copy_gate.table.add_(3.0)
-        import blockdraft.proposers.dflash as dflash_module
+        import blockdraft.decode.proposers.dflash as dflash_module
 
         def recording(tokens, num, *a, **kw):
             cont, n = lookup_continuation(tokens, num, *a, **kw)

@@ -12,10 +12,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
 from blockdraft.cli import main
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
-from blockdraft.gguf_export import export_draft_gguf, export_target_gguf, gguf_tensor_name, llamacpp_target_layers
-from blockdraft.target import TargetModel
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
+from blockdraft.export.gguf import export_draft_gguf, export_target_gguf, gguf_tensor_name, llamacpp_target_layers
+from blockdraft.models.target import TargetModel
 
 from conftest import VOCAB, ToyTokenizer, seeded, tiny_llama, tiny_qwen3
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft import lean as lean_module
-from blockdraft.cache import KVCache
+from blockdraft.models import lean as lean_module
+from blockdraft.models.cache import KVCache
 from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.lean import LeanDecoder, Linear, packed_linear_available
-from blockdraft.target import TargetCache, TargetModel
+from blockdraft.models.lean import LeanDecoder, Linear, packed_linear_available
+from blockdraft.models.target import TargetCache, TargetModel
 
 from conftest import ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen2_with_biases, tiny_qwen3
 
@@ -88,7 +88,7 @@ def test_engine_greedy_exact_on_both_paths(kind, lean, one_thread, monkeypatch):
 
 
 def _dflash(target):
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     return DFlashProposer(tiny_draft(target, block_size=6), target)
 
@@ -164,7 +164,7 @@ def test_compiled_lean_matches_eager(one_thread):
 def test_grouped_decode_attention_equals_sdpa():
     """The single-query decode step's attention against torch's reference kernel (fp32; tolerance: float rounding of the
     two summation orders). Odd sizes: 6 query heads over 2 key/value heads, head dim 5, 13 keys, ragged padding."""
-    from blockdraft.lean import grouped_decode_attention
+    from blockdraft.models.lean import grouped_decode_attention
 
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(4, h, n, 5, generator=g) for h, n in ((6, 1), (2, 13), (2, 13)))
@@ -185,7 +185,7 @@ def test_grouped_decode_attention_equals_sdpa():
 def test_grouped_decode_attention_as_accurate_as_sdpa():
     """Against a float64 reference, the fp32 grouped attention errs no more than torch's fp32 kernel does (up to a
     small slack for rounding luck), also with large scores (x20: near one-hot softmax), where rounding matters most."""
-    from blockdraft.lean import grouped_decode_attention
+    from blockdraft.models.lean import grouped_decode_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     g = torch.Generator().manual_seed(5)

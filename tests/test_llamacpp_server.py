@@ -12,7 +12,7 @@ import pytest
 
 from blockdraft.eval.bench import BenchConfig, run_bench
 from blockdraft.eval.llamacpp_server import LlamaServer, ServerExited, ServerRunner, default_draft_n
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_qwen3
 
 EOS = 97

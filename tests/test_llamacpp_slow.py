@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.eval.external import llamacpp_available
 from blockdraft.eval.llamacpp_server import LlamaServer, ServerRunner, server_missing
 from blockdraft.loading import DEFAULT_TARGET, encode_prompt, load_target, resolve_draft
-from blockdraft.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
 from conftest import seeded
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def files(tmp_path_factory):
         pytest.skip(why)
     from transformers import AutoTokenizer
 
-    from blockdraft.gguf_export import cached_gguf, export_draft_gguf, target_files
+    from blockdraft.export.gguf import cached_gguf, export_draft_gguf, target_files
 
     gguf, target_dir = target_files(None)
     shipped = resolve_draft(None, DEFAULT_TARGET)
@@ -149,7 +149,7 @@ def test_bf16_target_export_holds_the_weights_our_engine_runs():
     from gguf import GGMLQuantizationType, GGUFReader
     from safetensors import safe_open
 
-    from blockdraft.gguf_export import cached_gguf, target_files
+    from blockdraft.export.gguf import cached_gguf, target_files
 
     _, target_dir = target_files(None)
     reader = GGUFReader(str(cached_gguf(None, None, "bf16")))

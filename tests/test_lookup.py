@@ -5,8 +5,8 @@ import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
-from blockdraft.ngram import find_continuation
-from blockdraft.proposers.lookup import PromptLookupProposer
+from blockdraft.models.ngram import find_continuation
+from blockdraft.decode.proposers.lookup import PromptLookupProposer
 from conftest import naive_greedy
 
 

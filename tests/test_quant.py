@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from blockdraft import quant
+from blockdraft.models import quant
 from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
-from blockdraft.target import TargetModel
+from blockdraft.models.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
+from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_llama_q, tiny_qwen2_with_biases
 
 pytestmark = pytest.mark.skipif(quant.kernel_status() is not None,
@@ -329,7 +329,7 @@ def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one
     alike whatever the number of rows; the float ops around them (norms, attention) can still round a multi-token
     step differently, so bf16 exactness is shown for this model, not promised for every one."""
     target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), weights=WeightPlan(mode))
-    from blockdraft.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
@@ -425,8 +425,8 @@ def test_native_stack_with_biases_and_refusals(one_thread):
 def test_native_draft_matches_the_python_layers(layers, one_thread):
     """The draft's native stack (csrc/decoder.cpp DraftStack) against LeanDraft's Python layers on the same int8
     weights: context keys / values appended in two pieces (the cache grows), then a block over all of it."""
-    from blockdraft.cache import KVCache
-    from blockdraft.draft_lean import LeanDraft
+    from blockdraft.models.cache import KVCache
+    from blockdraft.models.draft_lean import LeanDraft
 
     target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
     draft = tiny_draft(target, layers=layers)
@@ -467,8 +467,8 @@ def test_tree_verify_on_the_native_stack_is_token_exact(dtype, one_thread):
     """A draft + lookup tree verified through the native stack (tree mask) commits plain greedy decoding's tokens.
     A node's keys sit at other cache slots than in a chain, so its sums run in another order: fp32 keeps the argmax
     here by a wide margin; bf16 is shown for this model, not promised for every one (README, quantized weights)."""
-    from blockdraft.proposers.dflash import DFlashProposer
-    from blockdraft.proposers.tree import TreeProposer
+    from blockdraft.decode.proposers.dflash import DFlashProposer
+    from blockdraft.decode.proposers.tree import TreeProposer
 
     target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), weights=WeightPlan("int4"))
     assert target.lean.native is not None
@@ -518,7 +518,7 @@ def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, mon
     import os
     import time
 
-    from blockdraft import quant
+    from blockdraft.models import quant
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for name, age, kept in (("old_build", quant.STALE_LOCK_SECONDS + 60, False), ("running_build", 5, True)):

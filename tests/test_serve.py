@@ -366,9 +366,9 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
 
     from blockdraft.decode.engine import Engine
     from blockdraft.config import GenerationConfig, SamplingParams
-    from blockdraft.proposers import NoDraft
+    from blockdraft.decode.proposers import NoDraft
     from blockdraft.serve.scheduler import QueueFullError, Scheduler
-    from blockdraft.target import TargetModel
+    from blockdraft.models.target import TargetModel
 
     target = TargetModel(tiny_llama(), ToyTokenizer())
     boom = {"on": False}

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.draft_config import DFlashConfig
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.loading import encode_prompt, load_target, resolve_draft
-from blockdraft.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.dflash import DFlashProposer
 from conftest import seeded
 
 pytestmark = pytest.mark.slow

@@ -4,9 +4,9 @@ token-identical to plain decoding. Run with `make test-slow`."""
 import pytest
 import torch
 
-from blockdraft.calibrate import measure_verify_cost
+from blockdraft.decode.calibrate import measure_verify_cost
 from blockdraft.config import GenerationConfig
-from blockdraft.draft import DFlashDraftModel
+from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.decode.engine import Engine
 from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from conftest import tiny_llama
 
 # The cached forward runs the same fp32 maths as the full one through other kernels (a 5-row then a 7-row matmul

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from blockdraft.target import TargetModel
+from blockdraft.models.target import TargetModel
 from blockdraft.train.features import OfflineFeatures, OnlineFeatures, precompute_features
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.live import TrainModule, evaluate_tau, frequent_tokens, prompt_of, sample_loss
@@ -67,7 +67,7 @@ def test_trained_draft_accepts_more_on_heldout_text(tiny, tmp_path):
     prompts = [prompt_of(r) for r in held]
     cfg = _cfg(tmp_path, steps=150, seqs_per_step=2, num_layers=2, lr=3e-3, save_every=1000, log_every=50)
     summary = train(cfg, target=tiny, records=recs, progress=False)
-    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.models.draft import DFlashDraftModel
 
     trained = DFlashDraftModel.from_pretrained(summary["out"], dtype=torch.float32)
     untrained = make_draft(cfg, tiny)
@@ -115,7 +115,7 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
 
 
 def test_reduced_vocabulary_training(tiny, tmp_path):
-    from blockdraft.draft import DFlashDraftModel
+    from blockdraft.models.draft import DFlashDraftModel
 
     recs = regenerated(tiny, 6, seed=8, new_tokens=24)
     top = frequent_tokens(recs, 10, 99, always=(97,))
@@ -129,8 +129,8 @@ def test_reduced_vocabulary_training(tiny, tmp_path):
 def test_layer_init_from_target_reproduces_its_values(tiny):
     """init_layers='target': draft layer i is a copy of target layer L-n+i, and the context values of draft layer 0
     are exactly what target layer L-n computes from the deepest tapped layer (when that layer feeds it)."""
-    from blockdraft.draft import DFlashDraftModel
-    from blockdraft.draft_config import DFlashConfig
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
 
     n, nl = 2, tiny.num_layers
     cfg = DFlashConfig.from_target(tiny.config, num_hidden_layers=n, block_size=8, mask_token_id=MASK_ID,

@@ -20,8 +20,8 @@ import zipfile
 import pytest
 import torch
 
-from blockdraft.draft import DFlashDraftModel
-from blockdraft.target import TargetModel
+from blockdraft.models.draft import DFlashDraftModel
+from blockdraft.models.target import TargetModel
 from blockdraft.train import records as R
 from blockdraft.train.checkpoint import FAULT_ENV, latest_checkpoint
 from blockdraft.train.config import TrainConfig

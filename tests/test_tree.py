@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from blockdraft.calibrate import VerifyCost, load_or_measure, measure_verify_cost, monotone
-from blockdraft.ngram import find_continuations
-from blockdraft.proposers.tree import TreeProposer
-from blockdraft.target import TargetModel
-from blockdraft.tree import MalformedTree, Tree, ancestor_mask, build_tree, check_tree
-from blockdraft.verify_tree import greedy_verify_tree, rejection_verify_tree
+from blockdraft.decode.calibrate import VerifyCost, load_or_measure, measure_verify_cost, monotone
+from blockdraft.models.ngram import find_continuations
+from blockdraft.decode.proposers.tree import TreeProposer
+from blockdraft.models.target import TargetModel
+from blockdraft.decode.tree import MalformedTree, Tree, ancestor_mask, build_tree, check_tree
+from blockdraft.decode.verify_tree import greedy_verify_tree, rejection_verify_tree
 from conftest import tiny_llama
 
 V = 7
@@ -87,7 +87,7 @@ def _best_count(scores, costs):
 def test_costs_stop_early_and_keep_the_tree_that_full_expansion_chooses(monkeypatch):
     import random
 
-    import blockdraft.tree as tree_mod
+    import blockdraft.decode.tree as tree_mod
 
     stops = []
     settled = tree_mod._settled

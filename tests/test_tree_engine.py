@@ -5,13 +5,13 @@ random drafts, with and without a prompt-lookup branch."""
 import pytest
 import torch
 
-from blockdraft.cache import KVCache
+from blockdraft.models.cache import KVCache
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
-from blockdraft.proposers.dflash import DFlashProposer
-from blockdraft.proposers.tree import TreeProposer
-from blockdraft.target import TargetCache, TargetModel
-from blockdraft.tree import MalformedTree, Tree, ancestor_mask, build_tree
+from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.decode.proposers.tree import TreeProposer
+from blockdraft.models.target import TargetCache, TargetModel
+from blockdraft.decode.tree import MalformedTree, Tree, ancestor_mask, build_tree
 from conftest import VOCAB, ToyTokenizer, naive_greedy, tiny_draft, tiny_llama, tiny_qwen3
 
 N_NEW = 40
@@ -162,7 +162,7 @@ def test_draft_scale_is_measured_acceptance_over_predicted(llama_target):
     """The second-best oracle with a fixed full binary tree: at every depth each step tries both top-2 children of
     the accepted node (predicted q_true + q_wrong) and accepts one, so the factor is (steps + prior) over
     (steps * (q_true + q_wrong) + prior); sampling runs keep the factor at 1."""
-    from blockdraft.proposers.tree import SCALE_PRIOR
+    from blockdraft.decode.proposers.tree import SCALE_PRIOR
 
     prompt = _prompt(5)
     ref = naive_greedy(llama_target, prompt, N_NEW)
@@ -315,7 +315,7 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
     token per node, but the tokens it adds beyond the lookup branches are measured as 0, so once measured the draft
     runs on a step with a lookup branch only to explore (one step in EXPLORE_EVERY + 1), and the output stays
     token-exact."""
-    from blockdraft.proposers.tree import EXPLORE_EVERY
+    from blockdraft.decode.proposers.tree import EXPLORE_EVERY
 
     calls = []
 
@@ -353,7 +353,7 @@ def test_lookup_only_steps_verify_the_first_branch_as_a_causal_chain(llama_targe
     """Two lookup branches, no draft: the step proposes the first branch alone (prompt lookup's proposal), its length
     chosen from the calibration's chain curve (not the masked-tree one); the engine verifies it without an explicit
     mask, and the output stays token-exact."""
-    from blockdraft.calibrate import VerifyCost
+    from blockdraft.decode.calibrate import VerifyCost
 
     tokens = torch.tensor([7, 1, 2, 3, 9, 7, 1, 4, 5, 8, 7, 1])  # "7 1" was followed by "4 5 8 ..." and "2 3 9 ..."
     widths = range(1, 65)

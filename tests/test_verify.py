@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdraft.verify import greedy_verify, rejection_verify
+from blockdraft.decode.verify import greedy_verify, rejection_verify
 
 V = 7
 HI, LO = 100.0, -100.0  # one-hot logits: the target is certain

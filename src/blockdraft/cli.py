@@ -140,8 +140,8 @@ def cmd_init_draft(args) -> int:
     """Write a randomly initialised draft for a target (the starting point of training, or a speed baseline)."""
     import torch
 
-    from .draft import DFlashDraftModel
-    from .draft_config import DFlashConfig
+    from .models.draft import DFlashDraftModel
+    from .models.draft_config import DFlashConfig
     from .loading import default_mask_token_id, load_target
 
     target, _ = load_target(args.target, "fp32", weights="bf16")
@@ -180,8 +180,8 @@ def cmd_pack(args) -> int:
 
 def cmd_features(args) -> int:
     """Precompute target features for offline training."""
-    from .draft import DFlashDraftModel
-    from .eagle import EagleDraftModel, is_eagle_draft
+    from .models.draft import DFlashDraftModel
+    from .models.eagle import EagleDraftModel, is_eagle_draft
     from .loading import load_target
     from .train.features import precompute_features
     from .train.records import load_records
@@ -250,7 +250,7 @@ def cmd_teacher_cache(args) -> int:
     if args.layer_ids:
         layers = [int(x) for x in args.layer_ids.split(",")]
     else:
-        from .draft_config import default_target_layer_ids
+        from .models.draft_config import default_target_layer_ids
 
         tc = getattr(target.config, "text_config", None) or target.config
         layers = default_target_layer_ids(int(tc.num_hidden_layers), 6)
@@ -260,7 +260,7 @@ def cmd_teacher_cache(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .gguf_export import export_gguf
+    from .export.gguf import export_gguf
 
     res = export_gguf(args.out, args.draft, args.target, args.outtype)
     what = "target"

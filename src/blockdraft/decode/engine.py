@@ -45,12 +45,12 @@ from typing import Hashable, Iterable, Iterator
 import torch
 
 from ..config import GenerationConfig, SamplingParams
-from ..proposers import NoDraft, Proposal, Proposer
-from ..sampling import logits_to_probs, make_generator, sample
-from ..target import TargetModel
-from ..tree import ancestor_mask, check_tree
-from ..verify import greedy_verify, rejection_verify
-from ..verify_tree import greedy_verify_tree, rejection_verify_tree
+from .proposers import NoDraft, Proposal, Proposer
+from .sampling import logits_to_probs, make_generator, sample
+from ..models.target import TargetModel
+from .tree import ancestor_mask, check_tree
+from .verify import greedy_verify, rejection_verify
+from .verify_tree import greedy_verify_tree, rejection_verify_tree
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations a long prompt needs at once
 EXPLORE_EVERY = 16  # with batch_cost: after this many plain steps in a row, one step drafts to measure again

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..quant import kernel_isa
+from ..models.quant import kernel_isa
 from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS, ServerExited
 from .report import fmt_temperature, fmt_num, fmt_speedup, make_plots, render_report, summarize_records
 
@@ -112,7 +112,7 @@ class BenchConfig:
     def resolved(self) -> "BenchConfig":
         """Apply --quick and check the values."""
         cfg = dataclasses.replace(self, **QUICK) if self.quick else self
-        from ..quant import WEIGHT_MODES
+        from ..models.quant import WEIGHT_MODES
 
         badw = [w for w in cfg.weights if w not in WEIGHT_MODES]
         if badw or not cfg.weights or len(set(cfg.weights)) != len(cfg.weights):
@@ -248,7 +248,7 @@ def _add_tree_engines(cfg: BenchConfig, target, target_name: str, tok, draft, en
     """Engines of the tree methods on the DFlash draft, sharing one verify-cost calibration that is
     measured now, so that the per-step budget reflects the machine as the benchmark finds it. Returns the draft's
     description (None when there is no draft: the tree methods are then skipped with a note)."""
-    from ..draft import DFlashDraftModel
+    from ..models.draft import DFlashDraftModel
     from ..loading import build_tree_engine, resolve_draft
 
     wanted = [m for m in ("dflash-tree", "dflash+lookup") if m in methods]
@@ -282,7 +282,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
     """-> (target, target_name, tokenizer, engines, methods, block_sizes, draft_desc, external runners)."""
     from ..decode.engine import Engine
     from ..loading import build_engine, load_target, resolve_draft
-    from ..proposers.lookup import PromptLookupProposer
+    from ..decode.proposers.lookup import PromptLookupProposer
 
     gguf = cfg.llamacpp_gguf
     if target is None:
@@ -311,7 +311,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             eng = build_engine(target, Path(draft), cfg.block_size, cfg.denoise_steps)
             draft_desc = str(draft)
         else:  # an already-built DFlashDraftModel
-            from ..proposers.dflash import DFlashProposer
+            from ..decode.proposers.dflash import DFlashProposer
 
             eng = Engine(target, DFlashProposer(draft, target, cfg.block_size, cfg.denoise_steps), tok)
             draft_desc = f"<{type(draft).__name__}>"
@@ -347,14 +347,14 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             methods.remove("eagle")
             notes.append("eagle skipped: no EAGLE draft (--eagle-draft DIR)")
         else:
-            from ..eagle import EagleDraftModel
-            from ..proposers.eagle import EagleProposer
+            from ..models.eagle import EagleDraftModel
+            from ..decode.proposers.eagle import EagleProposer
 
             ed = EagleDraftModel.from_pretrained(cfg.eagle_draft, dtype=target.dtype, device=target.device)
             engines["eagle"] = Engine(target, EagleProposer(ed, target, cfg.gamma), tok)
             block_sizes["eagle"] = cfg.gamma + 1
     if any(m in methods for m in ("ar-hf", "dflash-hf")):
-        from ..target import TargetModel
+        from ..models.target import TargetModel
 
         if target.lean is None:
             notes.append(f"ar-hf/dflash-hf equal ar/dflash here: the lean path does not run this target "
@@ -369,7 +369,7 @@ def _build(cfg: BenchConfig, target, tokenizer, draft, notes: list[str]):
             notes.append("dflash-hf skipped: it reuses the dflash draft, which is not available")
         elif "dflash-hf" in methods:
             prop = engines["dflash"].proposer
-            from ..proposers.dflash import DFlashProposer
+            from ..decode.proposers.dflash import DFlashProposer
 
             engines["dflash-hf"] = Engine(
                 slow, DFlashProposer(prop.draft, slow, prop.block_size, prop.denoise_steps), tok)
@@ -424,8 +424,8 @@ def _add_weights_engines(cfg: BenchConfig, target, target_name: str, tok, draft,
                          methods: list[str], block_sizes: dict, notes: list[str]) -> None:
     """For each weights mode after the first: the same HF model with that weight plan, and the requested
     WEIGHTS_METHODS on it as `method@mode` (their own verify-cost calibration included)."""
-    from ..quant import plan_weights
-    from ..target import TargetModel
+    from ..models.quant import plan_weights
+    from ..models.target import TargetModel
 
     wanted = [m for m in methods if m in WEIGHTS_METHODS]
     for mode in cfg.weights[1:]:

@@ -402,7 +402,7 @@ def build_server(args):
     elif method != "pld":
         draft_path = resolve_draft(args.draft, src.name)
     if method == "pld":
-        from ..proposers.lookup import PromptLookupProposer
+        from ..decode.proposers.lookup import PromptLookupProposer
 
         engine, draft_name = Engine(target, PromptLookupProposer(block_size=args.block_size or 16), **kw), "pld"
     elif draft_path is None:
@@ -415,7 +415,7 @@ def build_server(args):
                                    **kw)
         draft_name = f"{draft_path.name} ({method})"
     if getattr(args, "batch_policy", "measured") == "measured" and engine.proposer.name != "ar":
-        from ..calibrate import load_or_measure
+        from ..decode.calibrate import load_or_measure
 
         # the target's verify cost per width (cached per machine; measured now, ~30 s, if there is none)
         engine.batch_cost = load_or_measure(target)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..copy_gate import gated_ids, gated_logits
-from ..draft import DFlashDraftModel
+from ..models.copy_gate import gated_ids, gated_logits
+from ..models.draft import DFlashDraftModel
 from .blocks import IGNORE
 from .teacher import TeacherSequence, feats_tensor
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..copy_gate import LookupTables
-from ..draft import DFlashDraftModel
+from ..models.copy_gate import LookupTables
+from ..models.draft import DFlashDraftModel
 from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
 from .blocks import default_gamma

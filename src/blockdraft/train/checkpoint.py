@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..draft import DFlashDraftModel
+from ..models.draft import DFlashDraftModel
 
 CKPT_FILES = ("draft.safetensors", "optim.pt", "config.json", "state.json")  # in write order: state.json last
 LATEST = "latest"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..copy_gate import LookupTables
-from ..draft import DFlashDraftModel
+from ..models.copy_gate import LookupTables
+from ..models.draft import DFlashDraftModel
 from .batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward
 from .precision import autocast

@@ -415,7 +415,7 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     """
     from ..config import GenerationConfig, SamplingParams
     from ..decode.engine import Engine
-    from ..target import TargetModel
+    from ..models.target import TargetModel
 
     t0 = time.perf_counter()
     rep = RegenReport(total=len(prompts))
@@ -595,7 +595,7 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     import torch
 
     from blockdraft.loading import load_hf_target
-    from blockdraft.quant import plan_weights
+    from blockdraft.models.quant import plan_weights
 
     if only_task not in (None, "sharegpt", "gsm", "jsonl"):
         raise ValueError(f"only_task must be sharegpt, gsm or jsonl, got {only_task!r}")
@@ -610,6 +610,11 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     model, tokenizer, src = load_hf_target(target, dtype=dtype)
     # the answers come from the target as the engine runs it: 'auto' keeps a GGUF target's own quantization
     plan = plan_weights(weights, model, Path(src.path) / src.gguf_file if src.gguf_file else None)
+    # a prompt must leave the answer room in the target's context: select only prompts that do
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if context and max_prompt_tokens > context - min(max_new_tokens, context // 2):
+        max_prompt_tokens = context - min(max_new_tokens, context // 2)
+        log.info("prompts capped at %d tokens (the target's context is %d)", max_prompt_tokens, context)
     train, held, rep = select_regeneration_prompts(tokenizer, n_sharegpt, n_gsm, heldout_fraction, seed,
                                                    max_prompt_tokens, extra_jsonl, heldout)
     _write_prompts_checked(train, out_dir / "prompts-train.jsonl")

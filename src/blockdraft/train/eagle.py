@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..eagle import EagleConfig, EagleDraftModel
-from ..target import TargetModel
+from ..models.eagle import EagleConfig, EagleDraftModel
+from ..models.target import TargetModel
 from .blocks import IGNORE
 from .config import INITS
 from .loss import LossOutput, block_loss

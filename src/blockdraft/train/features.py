@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..target import TargetModel
+from ..models.target import TargetModel
 
 MANIFEST = "manifest.json"
 

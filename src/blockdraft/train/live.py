@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..draft import DFlashDraftModel
-from ..draft_config import DFlashConfig
-from ..target import TargetModel
+from ..models.draft import DFlashDraftModel
+from ..models.draft_config import DFlashConfig
+from ..models.target import TargetModel
 from .blocks import (IGNORE, block_attention_mask, build_blocks, default_gamma, flex_block_mask, loss_weights,
                      sample_anchors)
 from .config import TrainConfig
@@ -106,8 +106,8 @@ def evaluate_tau(target: TargetModel, draft: nn.Module, prompts: list[list[int]]
     """Greedy decode held-out prompts with the real engine and the current draft -> mean tau."""
     from ..config import GenerationConfig
     from ..decode.engine import Engine
-    from ..proposers.dflash import DFlashProposer
-    from ..proposers.eagle import EagleProposer
+    from ..decode.proposers.dflash import DFlashProposer
+    from ..decode.proposers.eagle import EagleProposer
 
     if not prompts:
         return float("nan")

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..draft import DFlashDraftModel, check_compatible
-from ..draft_config import DFlashConfig, default_target_layer_ids
-from ..target import TargetModel
+from ..models.draft import DFlashDraftModel, check_compatible
+from ..models.draft_config import DFlashConfig, default_target_layer_ids
+from ..models.target import TargetModel
 from .checkpoint import export_draft, latest_checkpoint, load_checkpoint, save_checkpoint, trim_log
 from .config import INITS, TrainConfig
 from .precision import compute_dtype, dtype_name

@@ -45,11 +45,11 @@ from typing import Callable
 
 import torch
 
-from ..config import SamplingParams
+from ...config import SamplingParams
 from ..tree import Tree, build_tree
 from . import TreeProposerBase
 from .dflash import DFlashProposer
-from ..ngram import find_continuations
+from ...models.ngram import find_continuations
 
 MAX_BUDGET = 63  # nodes below the root: verify widths up to 64, the calibrated range
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth two observations

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingParams
-from ..ngram import find_continuation
+from ...config import SamplingParams
+from ...models.ngram import find_continuation
 from . import Proposal, Proposer
 
 

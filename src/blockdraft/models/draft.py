@@ -361,7 +361,7 @@ class DFlashDraftModel(nn.Module):
         if model.copy_gate is not None:
             gate_path = Path(path) / GATE_WEIGHTS_NAME
             if not gate_path.is_file():
-                raise FileNotFoundError(f"{path} declares a copy gate (blockdraft.copy_gate) but has no "
+                raise FileNotFoundError(f"{path} declares a copy gate (blockdraft.models.copy_gate) but has no "
                                         f"{GATE_WEIGHTS_NAME}")
             _, gate = read_draft_dir(path, weights=GATE_WEIGHTS_NAME)
             state = {**state, **{f"copy_gate.{k}": v for k, v in gate.items()}}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingParams
+from ...config import SamplingParams
 
 
 @dataclass

@@ -8,16 +8,16 @@ from typing import Callable
 
 import torch
 
-from ..cache import KVCache
-from ..config import SamplingParams
-from ..copy_gate import gated_ids, gated_logits, gated_probs_to_vocab
-from ..draft import DFlashDraftModel, check_compatible
-from ..draft_lean import LeanDraft
-from ..lean import Linear, packed_linear_available
+from ...models.cache import KVCache
+from ...config import SamplingParams
+from ...models.copy_gate import gated_ids, gated_logits, gated_probs_to_vocab
+from ...models.draft import DFlashDraftModel, check_compatible
+from ...models.draft_lean import LeanDraft
+from ...models.lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
-from ..target import TargetModel
+from ...models.target import TargetModel
 from . import Proposal, Proposer
-from ..ngram import lookup_continuation
+from ...models.ngram import lookup_continuation
 
 
 ADAPT_EXPLORE_EVERY = 8  # with an adaptive width: steps without drafting before one full block is tried again

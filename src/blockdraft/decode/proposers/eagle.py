@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
-from ..config import SamplingParams
-from ..eagle import EagleDraftModel
+from ...models.cache import KVCache
+from ...config import SamplingParams
+from ...models.eagle import EagleDraftModel
 from ..sampling import logits_to_probs, sample
-from ..target import TargetModel
+from ...models.target import TargetModel
 from . import Proposal, Proposer
 
 

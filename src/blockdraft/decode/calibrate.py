@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .config import cache_dir
-from .quant import kernel_isa
+from ..config import cache_dir
+from ..models.quant import kernel_isa
 from .tree import ancestor_mask
 
 log = logging.getLogger(__name__)
