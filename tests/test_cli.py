@@ -117,3 +117,12 @@ def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
     plain = json.loads(run("generate", "--target", tiny_dir, "--draft", "none", "--dtype", "fp32",
                            "--max-new-tokens", "12", "--json", "Hello there").stdout)
     assert gen["text"] == plain["text"]  # lossless with the new draft
+    # the ship criterion: held-out tau of the new draft beside another one, in one run
+    run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "untrained")
+    out = run("heldout-tau", "--target", tiny_dir, "--draft", f"new={run_dir / 'draft'}",
+              "--draft", f"untrained={tmp_path / 'untrained'}", "--heldout", regen / "shards-heldout",
+              "--prompts", "2", "--max-new-tokens", "8", "--weights", "bf16", "--out", tmp_path / "tau.jsonl")
+    rows = [json.loads(x) for x in out.stdout.strip().splitlines()]
+    assert [r["draft"] for r in rows] == ["new", "untrained"] and all(r["tau"] >= 1.0 for r in rows)
+    assert all(r["prompts"] >= 1 for r in rows)
+    assert len((tmp_path / "tau.jsonl").read_text().splitlines()) == 2

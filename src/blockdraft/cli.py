@@ -1,4 +1,7 @@
-"""Command-line entry points. Argument parsing only: each subcommand calls the library and prints."""
+"""Command-line entry points. Argument parsing only: each subcommand calls the library and prints.
+
+Each subcommand imports the library code it runs, so building the parser loads only what registering the `bench`
+and `serve` subcommands needs."""
 
 from __future__ import annotations
 
@@ -362,10 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "cache stores bf16 features either way)")
     tc.set_defaults(func=cmd_teacher_cache)
 
-
     from .eval.bench import register as register_bench
+    from .eval.heldout import register as register_heldout
 
     register_bench(sub)
+    register_heldout(sub)
 
     from .serve.app import register as register_serve
 

@@ -15,12 +15,22 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import cache_dir
+from .decode.calibrate import load_or_measure
+from .decode.engine import Engine
+from .decode.proposers.dflash import DFlashProposer
+from .decode.proposers.eagle import EagleProposer
+from .decode.proposers.tree import TreeProposer
+from .models.draft import DFlashDraftModel
+from .models.eagle import EagleDraftModel, is_eagle_draft
+from .models.quant import plan_weights
+from .models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +179,6 @@ def materialize(src: TargetSource) -> str:
     tok.save_pretrained(tmp)
     (tmp / "blockdraft-converted.json").write_text(json.dumps({"gguf": str(Path(src.path) / src.gguf_file)}))
     if out.exists():
-        import shutil
 
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -238,8 +247,6 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
                 lean: bool = True, compile: bool = False, weights: str = "auto"):
     """-> (TargetModel, TargetSource). lean/compile: the decode path (see TargetModel and lean.py); weights: which
     weights the fast path holds quantized (`quant.plan_weights`: 'auto' keeps a GGUF file's own quantization)."""
-    from .models.quant import plan_weights
-    from .models.target import TargetModel
 
     hf, tok, src = load_hf_target(target, dtype, device)
     gguf = Path(src.path) / src.gguf_file if src.gguf_file else None
@@ -255,11 +262,6 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
     adaptive: a DFlash draft chooses per step how many tokens to draft (0 .. block_size - 1) from this target's
     verify-cost calibration (cached; measured now if there is none or if recalibrate), its own measured time and
     acceptance, so that drafting is skipped where it does not pay."""
-    from .models.draft import DFlashDraftModel
-    from .models.eagle import EagleDraftModel, is_eagle_draft
-    from .decode.engine import Engine
-    from .decode.proposers.dflash import DFlashProposer
-    from .decode.proposers.eagle import EagleProposer
 
     if draft_path is None:
         return Engine(target_model, **engine_kw)
@@ -270,7 +272,6 @@ def build_engine(target_model, draft_path: Path | None, block_size: int | None =
     draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
     cost = None
     if adaptive:
-        from .decode.calibrate import load_or_measure
 
         proposer = DFlashProposer(draft, target_model, block_size, denoise_steps)
         if proposer.layer_ids:
@@ -288,12 +289,6 @@ def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = F
     branches only). budget: fixed candidate nodes per step; None: chosen per step from `verify_cost` (default: the
     cached calibration of this target, measured now if there is none or if recalibrate). draft: an already-loaded
     DFlashDraftModel instead of draft_path."""
-    from .decode.calibrate import load_or_measure
-    from .models.draft import DFlashDraftModel
-    from .models.eagle import is_eagle_draft
-    from .decode.engine import Engine
-    from .decode.proposers.dflash import DFlashProposer
-    from .decode.proposers.tree import TreeProposer
 
     if draft is None and draft_path is not None:
         if is_eagle_draft(draft_path):

@@ -53,11 +53,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.quant import kernel_isa
 from .llamacpp_server import PLAIN_REFERENCE, SERVER_METHODS, ServerExited
 from .report import fmt_temperature, fmt_num, fmt_speedup, make_plots, render_report, summarize_records
 
 log = logging.getLogger(__name__)
+# torch, transformers and the model / decode code are imported inside the functions that run a bench: the CLI
+# imports this module only to register `bench`
 
 METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup",
            "pld", "hf-pld", "eagle", "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld",
@@ -168,6 +169,8 @@ def machine_info() -> dict:
         tf = transformers.__version__
     except ImportError:  # pragma: no cover
         tf = None
+    from ..models.quant import kernel_isa
+
     return {"cpu": cpu, "cpu_flags": cpu_flags(), "kernel_isa": kernel_isa(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": tf,
@@ -579,6 +582,8 @@ def _run_bench(cfg: BenchConfig, target, tokenizer, draft, prompts) -> dict:
         bar.close()
         for r in external.values():  # llama-server processes
             getattr(r, "close", lambda: None)()
+
+    from ..models.quant import kernel_isa  # (again: the kernels are built by now, so this names the ISA they run)
 
     summary = summarize_records(records, methods, block_sizes, cfg.temperatures)
     out_dir = Path(cfg.out)

@@ -33,6 +33,10 @@ import numpy as np
 import torch
 
 from ..config import cache_dir
+from ..loading import materialize, resolve_target
+from ..models.copy_gate import GATE_WEIGHTS_NAME
+from ..models.draft import check_compatible, read_draft_dir
+from ..models.draft_config import DFlashConfig
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +185,6 @@ def _target_head_rows(target_dir: Path, rows: torch.Tensor) -> torch.Tensor:
 def _check_fits(cfg, target_cfg: dict, reader, gguf_path: Path) -> None:
     from types import SimpleNamespace
 
-    from ..models.draft import check_compatible
-
     tc = target_cfg.get("text_config") or target_cfg
     check_compatible(cfg, SimpleNamespace(hidden_size=int(tc["hidden_size"]), vocab_size=int(tc["vocab_size"]),
                                           num_layers=int(tc["num_hidden_layers"])))
@@ -208,10 +210,6 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     draft_dir: our draft (config.json + model.safetensors); target_gguf: the target GGUF llama.cpp will run (its
     tokenizer fields are copied); target_dir: the same target as an HF directory (config.json + safetensors; the
     head rows of a reduced-vocabulary draft are read from it); outtype: 'bf16' (what our engine runs) or 'f32'."""
-    from ..models.copy_gate import GATE_WEIGHTS_NAME
-    from ..models.draft import read_draft_dir
-    from ..models.draft_config import DFlashConfig
-
     if outtype not in FILE_TYPE:
         raise ValueError(f"outtype must be one of {sorted(FILE_TYPE)}, got {outtype!r}")
     draft_dir, target_dir, target_gguf, out = Path(draft_dir), Path(target_dir), Path(target_gguf), Path(out)
@@ -311,8 +309,6 @@ def export_target_gguf(target_gguf: str | Path, out: str | Path, outtype: str = 
 def target_files(target: str | None) -> tuple[Path, Path]:
     """-> (the target's GGUF file, its HF directory), resolving `--target` as the rest of blockdraft does; a target
     without a GGUF file gets a clear error (llama.cpp runs GGUF targets only)."""
-    from ..loading import materialize, resolve_target
-
     src = resolve_target(target)
     if src.gguf_file is None:
         raise ValueError(f"target {src.path!r} is not a GGUF file: llama.cpp runs GGUF targets. Convert it first "

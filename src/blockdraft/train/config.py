@@ -41,6 +41,8 @@ class TrainConfig:
     next_token_feature: bool = False  # the fusion also reads each context position's next-token embedding (a
     #                                   departure from the public layout: `DFlashConfig.next_token_feature`)
     next_token_scale: float = 1.0  # ... times this factor, when the input is added
+    decode_block: int = 0  # the block the draft recommends decoding with, written into its config.json
+    #                        (`decode_block_size`; 0 = none: decoders use block_size)
     copy_gate: bool = False  # a learned bonus on prompt lookup's candidate (`copy_gate.py`; cache source)
     # ---------------------------------------------------------------------------------------- what a step sees
     train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
@@ -122,6 +124,8 @@ class TrainConfig:
             self.eval_block = self.block_size
         if not 2 <= self.eval_block <= self.block_size:
             raise ValueError(f"eval_block must be in 2..block_size ({self.block_size}), got {self.eval_block}")
+        if self.decode_block and not 2 <= self.decode_block <= self.block_size:
+            raise ValueError(f"decode_block must be 0 or in 2..block_size ({self.block_size}), got {self.decode_block}")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError("kd_weight must be in [0, 1]")
         if self.seqs_per_step < 1 or self.steps < 1:

@@ -124,7 +124,7 @@ def walk_tau(draft: DFlashDraftModel, target, head: DraftHead, seqs: list[Teache
     """`walk_lengths` summarised. Unlike `evaluate` (anchors drawn uniformly), the anchors here are the ones real
     decoding visits: right after a rejection, where text is harder. On the engine's own output text the walk
     reproduces real decoding step for step (tested); on the default target it gave tau 1.621 vs the engine's 1.619
-    over `heldout_tau.py`'s 12 prompts. -> {"walk_tau", "walk_acc1", "walk_steps"}."""
+    over `blockdraft heldout-tau`'s 12 prompts. -> {"walk_tau", "walk_acc1", "walk_steps"}."""
     steps = [x for seq in walk_lengths(draft, target, head, seqs, cols, max_len, block, batch_seqs, dtype=dtype,
                                                  tables=tables)
              for x in seq]

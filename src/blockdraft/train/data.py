@@ -28,6 +28,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
 
 from .records import ShardWriter, read_shards
+from ..config import GenerationConfig, SamplingParams
+from ..decode.engine import Engine
+from ..models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -413,10 +416,6 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     lean: on the target's fused path where its architecture has one;
     weights: the `quant.WeightPlan` that path holds (None: float weights).
     """
-    from ..config import GenerationConfig, SamplingParams
-    from ..decode.engine import Engine
-    from ..models.target import TargetModel
-
     t0 = time.perf_counter()
     rep = RegenReport(total=len(prompts))
     if len({p.id for p in prompts}) != len(prompts):

@@ -23,6 +23,11 @@ from .config import TrainConfig
 from .features import OfflineFeatures, OnlineFeatures
 from .loss import block_loss
 from .precision import autocast
+from ..config import GenerationConfig
+from ..decode.engine import Engine
+from ..decode.proposers.dflash import DFlashProposer
+from ..decode.proposers.eagle import EagleProposer
+from .eagle import EagleTrainModule, eagle_sample_loss
 
 
 class TrainModule(nn.Module):
@@ -104,11 +109,6 @@ def frequent_tokens(records: list[dict], n: int, vocab_size: int, always: tuple[
 
 def evaluate_tau(target: TargetModel, draft: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Greedy decode held-out prompts with the real engine and the current draft -> mean tau."""
-    from ..config import GenerationConfig
-    from ..decode.engine import Engine
-    from ..decode.proposers.dflash import DFlashProposer
-    from ..decode.proposers.eagle import EagleProposer
-
     if not prompts:
         return float("nan")
     d = type(draft)(draft.config)
@@ -143,8 +143,6 @@ class LiveObjective:
         self.features = (OnlineFeatures(target, layer_ids) if cfg.features == "online"
                          else OfflineFeatures(cfg.features, layer_ids))
         if self.eagle:
-            from .eagle import EagleTrainModule
-
             self.module: nn.Module = EagleTrainModule(draft, cfg.ttt_steps)
         else:
             self.module = TrainModule(draft)
@@ -172,8 +170,6 @@ class LiveObjective:
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
             rec = self.records[int(perm[pos])]
             if self.eagle:
-                from .eagle import eagle_sample_loss
-
                 res = eagle_sample_loss(self.module, self.target, rec, self.features, cfg, self.dtype)
             else:
                 res = sample_loss(self.module, self.target, rec, self.features, cfg, self.draft.config, index,

@@ -35,6 +35,10 @@ from .checkpoint import export_draft, latest_checkpoint, load_checkpoint, save_c
 from .config import INITS, TrainConfig
 from .precision import compute_dtype, dtype_name
 from .records import load_records
+from ..loading import default_mask_token_id, load_target
+from .cached import CachedObjective, frequent_greedy_tokens, open_caches
+from .eagle import make_eagle_draft
+from .live import LiveObjective, frequent_tokens
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +69,7 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
     """The draft a run starts from: fresh (initialised per `cfg.init`) or a continued one, extended where the
     config asks for more than it has. frequent(n) -> the n token ids a reduced draft vocabulary keeps (each source
     counts its own labels)."""
-    from ..loading import default_mask_token_id
-
     if cfg.method == "eagle":
-        from .eagle import make_eagle_draft
-
         return make_eagle_draft(cfg, target).train()
     cfg = resolve_layer_ids(cfg, target)
     if cfg.init not in INITS:
@@ -178,8 +178,6 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     records / heldout: the live source's records when not read from cfg.data / cfg.heldout. `stop_after` ends the
     process-local loop after that many steps (a test's stand-in for a kill; the checkpoint it leaves is what
     SIGTERM would leave)."""
-    from ..loading import load_target
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = _dist_info()
@@ -194,15 +192,11 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     log.info("computing in %s (precision %s)", dtype_name(dtype), cfg.precision)
     cfg = resolve_layer_ids(cfg, target)
     if cfg.source == "cache":
-        from .cached import CachedObjective, frequent_greedy_tokens, open_caches
-
         caches, held = open_caches(cfg)
         draft = make_draft(cfg, target, lambda n: frequent_greedy_tokens(caches, n, target.vocab_size,
                                                                          target.eos_token_ids))
         objective = CachedObjective(cfg, target, draft, caches, held, dtype)
     else:
-        from .live import LiveObjective, frequent_tokens
-
         if records is None:
             if not cfg.data:
                 raise ValueError("no training data: give data (records) or cache (teacher caches)")
@@ -213,6 +207,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                                                                   target.eos_token_ids))
         objective = LiveObjective(cfg, target, draft, records, heldout, dtype)
     draft.config.extra.update({"trained_with": "blockdraft", "no_target_features": cfg.no_target_features})
+    if cfg.decode_block:
+        draft.config.extra["decode_block_size"] = cfg.decode_block
 
     groups = objective.param_groups()
     params = [p for g in groups for p in g["params"]]
