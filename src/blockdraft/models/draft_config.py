@@ -25,6 +25,25 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return ids
 
 
+def target_layer_shape(target_config) -> dict:
+    """A draft layer's shape as the target's HF config gives it (hidden size, heads, head_dim, MLP width, norm eps,
+    rope, positions) and the target's depth (`num_target_layers`): what a draft that shares the target's layer
+    widths reads from it."""
+    tc = getattr(target_config, "text_config", None) or target_config
+    heads = int(tc.num_attention_heads)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict)
+                  else getattr(tc, "rope_theta", 10000.0))
+    return dict(
+        hidden_size=int(tc.hidden_size), num_attention_heads=heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        intermediate_size=int(tc.intermediate_size), vocab_size=int(tc.vocab_size),
+        num_target_layers=int(tc.num_hidden_layers), rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=theta, max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
+    )
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -88,24 +107,13 @@ class DFlashConfig:
     def from_target(cls, target_config, *, num_hidden_layers: int = 3, block_size: int = 16,
                     mask_token_id: int, num_target_features: int | None = None,
                     target_layer_ids: list[int] | None = None, **overrides) -> "DFlashConfig":
-        """Derive the layer shape from the target's HF config (hidden size, heads, head_dim, MLP width, rope)."""
-        tc = getattr(target_config, "text_config", None) or target_config
-        heads = int(tc.num_attention_heads)
-        head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict)
-                      else getattr(tc, "rope_theta", 10000.0))
-        n_layers = int(tc.num_hidden_layers)
+        """Derive the layer shape from the target's HF config (`target_layer_shape`)."""
+        kw = target_layer_shape(target_config)
         if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(n_layers, num_target_features or num_hidden_layers)
-        kw = dict(
-            hidden_size=int(tc.hidden_size), num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)), head_dim=head_dim,
-            intermediate_size=int(tc.intermediate_size), vocab_size=int(tc.vocab_size),
-            num_target_layers=n_layers, target_layer_ids=list(target_layer_ids), mask_token_id=mask_token_id,
-            block_size=block_size, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=theta,
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
-        )
+            target_layer_ids = default_target_layer_ids(kw["num_target_layers"],
+                                                        num_target_features or num_hidden_layers)
+        kw.update(num_hidden_layers=num_hidden_layers, target_layer_ids=list(target_layer_ids),
+                  mask_token_id=mask_token_id, block_size=block_size)
         kw.update(overrides)
         return cls(**kw)
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from .draft import (CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, copy_target_final_norm, init_draft_weights,
                     load_checked, read_draft_dir, rope_cos_sin, write_draft_dir)
-from .draft_config import default_target_layer_ids
+from .draft_config import default_target_layer_ids, target_layer_shape
 
 ARCHITECTURE = "Eagle3DraftModel"
 
@@ -74,22 +74,9 @@ class EagleConfig:
     @classmethod
     def from_target(cls, target_config, *, target_layer_ids: list[int] | None = None,
                     **overrides) -> "EagleConfig":
-        """Derive the layer shape from the target's HF config (hidden size, heads, head_dim, MLP width, rope)."""
-        tc = getattr(target_config, "text_config", None) or target_config
-        heads = int(tc.num_attention_heads)
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict)
-                      else getattr(tc, "rope_theta", 10000.0))
-        n_layers = int(tc.num_hidden_layers)
-        kw = dict(
-            hidden_size=int(tc.hidden_size), num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)),
-            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-            intermediate_size=int(tc.intermediate_size), vocab_size=int(tc.vocab_size), num_target_layers=n_layers,
-            target_layer_ids=list(target_layer_ids or eagle_target_layer_ids(n_layers)),
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=theta,
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
-        )
+        """Derive the layer shape from the target's HF config (`target_layer_shape`)."""
+        kw = target_layer_shape(target_config)
+        kw["target_layer_ids"] = list(target_layer_ids or eagle_target_layer_ids(kw["num_target_layers"]))
         kw.update(overrides)
         return cls(**kw)
 

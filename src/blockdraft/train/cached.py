@@ -27,7 +27,7 @@ from ..models.copy_gate import LookupTables
 from ..models.draft import DFlashDraftModel
 from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
-from .blocks import default_gamma
+from .blocks import default_gamma, loss_weights
 from .config import TrainConfig
 from .curve import evaluate, heldout_anchors, walk_tau
 from .precision import autocast
@@ -65,8 +65,8 @@ def batch_loss(draft: DFlashDraftModel, target, head: DraftHead, batch: Batch, c
     offs = batch.offsets[valid]
     cand = copy[0][valid] if copy is not None else None
     lab = head.columns(batch.labels[valid], cand)  # -1 where the draft cannot propose the greedy token
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
-    w = torch.ones_like(offs, dtype=torch.float32) if cfg.no_loss_decay else torch.exp(-(offs.float() - 1) / gamma)
+    # labelled rows are rows 1.. of their blocks, so every one gets exp(-(k-1)/gamma) (or 1 without decay)
+    w = loss_weights(offs, None if cfg.no_loss_decay else (cfg.gamma or default_gamma(cfg.block_size)))
     logits = head.scores(h, None if copy is None else (cand, copy[1][valid], offs))  # [R, Vd (+1)]
     ce = F.cross_entropy(logits, lab.clamp_min(0), reduction="none") * (lab >= 0)
     loss_rows = ce
