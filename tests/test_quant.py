@@ -13,7 +13,7 @@ import torch
 from blockdraft.models import quant
 from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.models.quant import Q4Weight, Q8Weight, QuantLinear, WeightPlan
+from blockdraft.models.quant import Q4Weight, Q5Weight, Q8Weight, QuantLinear, WeightPlan
 from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_llama_q, tiny_qwen2_with_biases
 
@@ -54,12 +54,12 @@ def naive_qlinear(x: torch.Tensor, w: quant.QWeight, bias: torch.Tensor | None =
     """The reference: x [M, K] -> [M, N] in float64 from the kernels' definition (quant.py / qlinear.cpp)."""
     xq, dx, xs = _activations(x)
     n, k = w.shape
-    if isinstance(w, Q4Weight):
-        lo, hi = (w.codes & 15).long(), (w.codes >> 4).long()
-        c = torch.cat([lo.view(n, k // 32, 16), hi.view(n, k // 32, 16)], -1).double()  # [N, G, 32]
+    if isinstance(w, (Q4Weight, Q5Weight)):
+        c = w.unpacked().double()  # [N, G, 32]
+        centre = 8 if isinstance(w, Q4Weight) else 16
         d, o = w.scale.double(), w.offset.double()
-        dots = torch.einsum("mgj,ngj->mng", xq, c - 8)
-        y = (dots * d[None] * dx[:, None] + (o + 8 * d)[None] * xs[:, None]).sum(-1)
+        dots = torch.einsum("mgj,ngj->mng", xq, c - centre)
+        y = (dots * d[None] * dx[:, None] + (o + centre * d)[None] * xs[:, None]).sum(-1)
     else:
         c = w.codes.double().view(n, k // 16, 16)
         xh = xq.reshape(xq.shape[0], k // 16, 16)
@@ -72,14 +72,18 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator, half_scales: bool 
     """Random weights quantized; half_scales rounds the scales (and offsets) to float16 values, as GGUF's Q4_0 /
     Q4_1 / Q8_0 blocks have them: the kernels then hold them in float16, else in float32."""
     w = torch.randn(n, k, generator=gen) * 0.3
-    q = quant.quantize_q4(w) if kind == "q4" else quant.quantize_q8(w)
+    q = {"q4": quant.quantize_q4, "q5": quant.quantize_q5, "q8": quant.quantize_q8}[kind](w)
     if not half_scales:
         return q
     h = lambda t: t.half().float()  # noqa: E731
-    return Q4Weight(q.codes, h(q.scale), h(q.offset)) if kind == "q4" else Q8Weight(q.codes, h(q.scale))
+    if kind == "q4":
+        return Q4Weight(q.codes, h(q.scale), h(q.offset))
+    if kind == "q5":
+        return Q5Weight(q.codes, q.high, h(q.scale), h(q.offset))
+    return Q8Weight(q.codes, h(q.scale))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("half_scales", [False, True])
 def test_kernel_matches_naive_reference(kind, dtype, half_scales, isa):
@@ -101,7 +105,7 @@ def test_kernel_matches_naive_reference(kind, dtype, half_scales, isa):
         assert err < tol, f"{kind} {dtype} m={m}: {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize("half_scales", [False, True])
 def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales, isa):
     gen = torch.Generator().manual_seed(1)
@@ -120,7 +124,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales, is
         torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_instruction_sets_give_the_same_bits(kind, dtype):
     # a machine with VNNI and one without decode the same tokens: the integer dot products are exact either way and
@@ -165,12 +169,34 @@ def test_kernel_refuses_bad_shapes():
 
 def test_quantizers_error_is_bounded_by_half_a_step():
     w = torch.randn(37, 128, generator=torch.Generator().manual_seed(2))
-    q4, q8 = quant.quantize_q4(w), quant.quantize_q8(w)
-    step4 = q4.scale.repeat_interleave(32, 1)
-    assert ((q4.dequantize() - w).abs() <= step4 / 2 + 1e-6).all()
+    q4, q5, q8 = quant.quantize_q4(w), quant.quantize_q5(w), quant.quantize_q8(w)
+    for q in (q4, q5):
+        step = q.scale.repeat_interleave(32, 1)
+        assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert int(q5.unpacked().max()) == 31 and int(q5.unpacked().min()) == 0  # the fifth bit is used
     step8 = q8.scale.repeat_interleave(16, 1)
     assert ((q8.dequantize() - w).abs() <= step8 / 2 + 1e-6).all()
     assert torch.equal(quant.concat([q4.select(torch.arange(5)), q4.select(torch.arange(5, 37))]).codes, q4.codes)
+    q5_again = quant.concat([q5.select(torch.arange(7)), q5.select(torch.arange(7, 37))])
+    assert torch.equal(q5_again.high, q5.high) and torch.equal(q5_again.dequantize(), q5.dequantize())
+
+
+def test_fused_parts_take_the_narrowest_format_that_holds_them_exactly():
+    rng = np.random.default_rng(4)
+    kinds = {k: quant.gguf_block_weight(k, _gguf_blocks(k, n, 64, rng), 64)
+             for k, n in (("Q4_0", 5), ("Q4_1", 6), ("Q5_0", 7), ("Q5_1", 3), ("Q8_0", 4))}
+
+    def check(parts, kind):
+        w = quant.fuse([kinds[p] for p in parts])
+        assert isinstance(w, kind), (parts, type(w))
+        assert torch.equal(w.dequantize(), torch.cat([kinds[p].dequantize() for p in parts]))
+
+    check(["Q5_0", "Q5_0"], Q5Weight)
+    check(["Q4_1", "Q5_1"], Q5Weight)  # 4-bit codes are 5-bit codes with a zero fifth bit
+    check(["Q5_0", "Q5_0", "Q8_0"], Q8Weight)  # Qwen2.5-0.5B's q/k/v in half its layers: Q5_0 is d (c - 16)
+    check(["Q4_0", "Q8_0"], Q8Weight)
+    assert quant.fuse([kinds["Q4_1"], kinds["Q8_0"]]) is None  # an offset of its own: no 8-bit code holds it
+    assert quant.fuse([kinds["Q5_1"], kinds["Q8_0"]]) is None
 
 
 # ------------------------------------------------------------------------------------------------ GGUF blocks
@@ -180,30 +206,30 @@ def _gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     t = GGMLQuantizationType[kind]
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
     block, size = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    halves = {"Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    halves = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
     for off in halves:
         raw[..., off:off + 2] = rng.uniform(0.01, 0.1, (n, k // block)).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_decode_as_gguf_py_does(kind):
     from gguf import GGMLQuantizationType, quants
 
     raw = _gguf_blocks(kind, 37, 512, np.random.default_rng(3))
     w = quant.gguf_block_weight(kind, raw, 512)
-    assert isinstance(w, Q8Weight if kind in ("Q8_0", "Q5_0", "Q6_K") else Q4Weight)
+    assert isinstance(w, Q8Weight if kind in ("Q8_0", "Q6_K") else Q5Weight if kind.startswith("Q5") else Q4Weight)
     ref = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(37, 512)
     # the same float32 products, maybe in another association order: a few ulp
     np.testing.assert_allclose(w.dequantize().numpy(), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_unmapped_gguf_type_returns_none():
-    assert quant.gguf_block_weight("Q5_1", np.zeros((4, 24), np.uint8), 32) is None
+    assert quant.gguf_block_weight("Q3_K", np.zeros((4, 110), np.uint8), 256) is None
 
 
 # --------------------------------------------------------------------------------------- a GGUF file, mapped
@@ -261,11 +287,11 @@ def _patch_naive(model, plan: WeightPlan) -> None:
             mod.forward = fwd
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_gguf_plan_maps_every_linear_and_computes_the_files_model(tmp_path, tied, one_thread):
+@pytest.mark.parametrize(("tied", "layers"), [(False, "Q4_1"), (True, "Q4_1"), (False, "Q5_0"), (True, "Q5_1")])
+def test_gguf_plan_maps_every_linear_and_computes_the_files_model(tmp_path, tied, layers, one_thread):
     model = tiny_llama_q(tied=tied)
     path = tmp_path / "tiny.gguf"
-    write_gguf_of(model, path)
+    write_gguf_of(model, path, kinds=(layers, "Q8_0"))
     plan = quant.plan_weights("auto", model, path)
     assert plan.mode == "gguf" and not plan.kept
     assert len(plan.exact) == 3 * 7 + 1
@@ -277,7 +303,8 @@ def test_gguf_plan_maps_every_linear_and_computes_the_files_model(tmp_path, tied
     target = TargetModel(model, ToyTokenizer(), weights=plan)
     ids = torch.randint(0, 99, (1, 9), generator=torch.Generator().manual_seed(4))
     got = target.forward(ids, target.new_decode_cache()).logits
-    assert plan.describe()["quantized"] == {"q4": 21} and not plan.describe()["kept"]
+    assert plan.describe()["quantized"] == {f"q{layers[1]}": 21} and not plan.describe()["kept"]
+    assert target.lean.native is not None, target.lean.native_reason  # the whole stack in the native decoder
     ref_model = tiny_llama_q(tied=tied)
     ref_model.load_state_dict(model.state_dict())
     _patch_naive(ref_model, plan)

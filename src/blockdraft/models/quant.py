@@ -1,11 +1,15 @@
 """Weight-only quantized linears for the fast decode path, and the exact mapping of GGUF's quant blocks onto them.
 
 Why: a decode step of a small target is bound by the bytes of weights it reads. A Q4_1 GGUF holds ~4.5 bits per
-weight; dequantized to bf16 the same model reads 16. Two formats cover what GGUF files hold (`csrc/qlinear.cpp`):
+weight; dequantized to bf16 the same model reads 16. Three formats cover what GGUF files hold (`csrc/qlinear.h`):
 - `Q4Weight`: 4-bit codes c with a scale d and an offset o per block of 32 along the input: w = d * c + o. GGUF's
   Q4_0 (o = -8d), Q4_1 (o = m) and Q4_K (per sub-block d * sc and -dmin * m) map onto it exactly.
-- `Q8Weight`: signed 8-bit codes with a scale per 16 inputs: w = s * c. GGUF's Q8_0 (one scale per 32), Q5_0
-  (codes - 16, one scale per 32) and Q6_K (codes - 32, one scale per 16) map onto it exactly.
+- `Q5Weight`: the same with a fifth bit per code (c in 0..31, 5.5 bits per weight with float16 scales): GGUF's Q5_0
+  (o = -16d), Q5_1 (o = m) and Q5_K (per sub-block, as Q4_K) map onto it exactly.
+- `Q8Weight`: signed 8-bit codes with a scale per 16 inputs: w = s * c. GGUF's Q8_0 (one scale per 32) and Q6_K
+  (codes - 32, one scale per 16) map onto it exactly.
+A fused linear whose parts differ in kind (a Q5_0 q/k beside a Q8_0 v) takes the narrowest format that holds every
+part exactly (`fuse`).
 A bf16 / fp32 model can be quantized into either (`quantize_q4`, `quantize_q8`: groups of 32, min/max and absmax),
 opt-in, at some cost in quality.
 
@@ -58,15 +62,68 @@ class Q4Weight:
     def shape(self) -> tuple[int, int]:
         return int(self.codes.shape[0]), int(self.codes.shape[1]) * 2
 
+    def unpacked(self) -> torch.Tensor:
+        """-> codes [N, K/32, 32] uint8 in input order."""
+        return _nibbles(self.codes)
+
     def dequantize(self) -> torch.Tensor:
         """-> w [N, K] float32."""
         n, k = self.shape
-        lo, hi = self.codes & 15, self.codes >> 4  # [N, K/2]: inputs j and j + 16 of each block
-        c = torch.cat([lo.view(n, k // BLOCK, 16), hi.view(n, k // BLOCK, 16)], dim=-1).float()
-        return (self.scale[..., None] * c + self.offset[..., None]).view(n, k)
+        return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
 
     def select(self, rows: torch.Tensor) -> "Q4Weight":
         return Q4Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(), self.offset[rows].contiguous())
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Q4Weight's byte layout [N, K/2] -> the 4-bit codes [N, K/32, 32] uint8 in input order."""
+    n, half = codes.shape
+    lo, hi = codes & 15, codes >> 4  # inputs j and j + 16 of each block
+    return torch.cat([lo.view(n, 2 * half // BLOCK, 16), hi.view(n, 2 * half // BLOCK, 16)], dim=-1)
+
+
+def _bits(high: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] uint8, 4 bytes per block of 32 (bit j, little-endian, = input j) -> [N, K/32, 32] uint8 of 0 / 1."""
+    n, nbytes = high.shape
+    b = high.view(n, nbytes // 4, 4, 1) >> torch.arange(8, dtype=torch.uint8)  # [N, G, byte, bit]
+    return (b & 1).view(n, nbytes // 4, 32)
+
+
+@dataclass(frozen=True)
+class Q5Weight:
+    """w [N, K] = scale * code + offset per block of 32 inputs, codes 0..31: Q4Weight's nibbles plus a fifth bit.
+    codes uint8 [N, K/2]: the low 4 bits, laid out as Q4Weight's; high uint8 [N, K/8]: 4 bytes per block, bit j of
+    their little-endian 32-bit word is input j's fifth bit (GGUF's qh); scale, offset float32 [N, K/32]."""
+
+    codes: torch.Tensor
+    high: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, half = self.codes.shape
+        g = 2 * half // BLOCK
+        assert self.codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
+        assert self.high.dtype == torch.uint8 and tuple(self.high.shape) == (n, 4 * g), (
+            f"high must be uint8 [N, K/8] = [{n}, {4 * g}], got {tuple(self.high.shape)}")
+        assert self.scale.shape == self.offset.shape == (n, g), (
+            f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(self.scale.shape)} / {tuple(self.offset.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1]) * 2
+
+    def unpacked(self) -> torch.Tensor:
+        """-> codes [N, K/32, 32] uint8 (0..31) in input order."""
+        return _nibbles(self.codes) | (_bits(self.high) << 4)
+
+    def dequantize(self) -> torch.Tensor:
+        """-> w [N, K] float32."""
+        n, k = self.shape
+        return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
+
+    def select(self, rows: torch.Tensor) -> "Q5Weight":
+        return Q5Weight(*(getattr(self, f)[rows].contiguous() for f in ("codes", "high", "scale", "offset")))
 
 
 @dataclass(frozen=True)
@@ -94,7 +151,12 @@ class Q8Weight:
         return Q8Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous())
 
 
-QWeight = Q4Weight | Q8Weight
+QWeight = Q4Weight | Q5Weight | Q8Weight
+
+
+def bits_of(w: QWeight) -> int:
+    """The kernels' name for a weight's format: 4, 5 or 8."""
+    return 4 if isinstance(w, Q4Weight) else 5 if isinstance(w, Q5Weight) else 8
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:
@@ -102,6 +164,14 @@ def pack_q4(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     c = codes.to(torch.uint8).view(n, k // BLOCK, 2, 16)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def pack_q5(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] in 0..31 (any integer dtype) -> the Q5Weight layout: (low nibbles [N, K/2], high bits [N, K/8])."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    fifth = ((c >> 4) & 1).view(n, k // 8, 8) << torch.arange(8, dtype=torch.uint8)
+    return pack_q4(c & 15), fifth.sum(-1, dtype=torch.uint8)
 
 
 def quantize_q4(w: torch.Tensor) -> Q4Weight:
@@ -114,6 +184,18 @@ def quantize_q4(w: torch.Tensor) -> Q4Weight:
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).view(n, k)
     return Q4Weight(pack_q4(codes), scale.contiguous(), lo.contiguous())
+
+
+def quantize_q5(w: torch.Tensor) -> Q5Weight:
+    """w [N, K] (K % 32 == 0) -> 5-bit codes per block of 32 from each block's min and max (as GGUF's Q5_1)."""
+    n, k = w.shape
+    assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
+    g = w.detach().float().view(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 31
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 31).view(n, k)
+    return Q5Weight(*pack_q5(codes), scale.contiguous(), lo.contiguous())
 
 
 def quantize_q8(w: torch.Tensor) -> Q8Weight:
@@ -131,9 +213,36 @@ def concat(ws: list[QWeight]) -> QWeight:
     """Stack weights of one kind along the output dimension (fused q/k/v, gate/up)."""
     kinds = {type(w) for w in ws}
     assert len(kinds) == 1 and len({w.shape[1] for w in ws}) == 1, "concat needs one kind and one input width"
-    if isinstance(ws[0], Q4Weight):
-        return Q4Weight(*(torch.cat([getattr(w, f) for w in ws]) for f in ("codes", "scale", "offset")))
-    return Q8Weight(*(torch.cat([getattr(w, f) for w in ws]) for f in ("codes", "scale")))
+    fields = {Q4Weight: ("codes", "scale", "offset"), Q5Weight: ("codes", "high", "scale", "offset"),
+              Q8Weight: ("codes", "scale")}[type(ws[0])]
+    return type(ws[0])(*(torch.cat([getattr(w, f) for w in ws]) for f in fields))
+
+
+def as_kind(w: QWeight, kind: type) -> QWeight | None:
+    """w in another format holding exactly the same values, or None where that format cannot: 4-bit codes are
+    5-bit codes with a zero fifth bit; 4- and 5-bit codes are signed 8-bit ones where the offset is the centre's
+    (o = -8d, -16d: GGUF's Q4_0 / Q5_0)."""
+    if isinstance(w, kind):
+        return w
+    if isinstance(w, Q4Weight) and kind is Q5Weight:
+        return Q5Weight(w.codes, torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint8), w.scale, w.offset)
+    if isinstance(w, (Q4Weight, Q5Weight)) and kind is Q8Weight:
+        centre = 8 if isinstance(w, Q4Weight) else 16
+        if not torch.equal(w.offset, -centre * w.scale):
+            return None
+        codes = (w.unpacked().to(torch.int16) - centre).to(torch.int8).view(w.shape)
+        return Q8Weight(codes, w.scale.repeat_interleave(2, dim=1).contiguous())
+    return None
+
+
+def fuse(ws: list[QWeight]) -> QWeight | None:
+    """Stack the parts of a fused linear along the output in the narrowest format that holds every part exactly
+    (4 < 5 < 8 bits), or None where none does (a Q4_1 part beside a Q8_0 one)."""
+    for kind in (Q4Weight, Q5Weight, Q8Weight):
+        parts = [as_kind(w, kind) for w in ws]
+        if all(p is not None for p in parts):
+            return concat(parts) if len(parts) > 1 else parts[0]
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- the kernels
@@ -228,7 +337,7 @@ class QuantLinear:
 
     @property
     def bits(self) -> int:
-        return 4 if isinstance(self.weight, Q4Weight) else 8
+        return bits_of(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., K] -> [..., N]; the kernel checks x (shape, float32 / bf16, CPU) and refuses what it cannot run
@@ -249,6 +358,8 @@ class QuantLinear:
         k, w = _load_kernels(), self.weight
         if isinstance(w, Q4Weight):
             return k.make_qlin(4, w.codes, w.scale, w.offset, self.bias)
+        if isinstance(w, Q5Weight):
+            return k.make_qlin(5, w.codes, w.scale, w.offset, self.bias, w.high)
         return k.make_qlin(8, w.codes, w.scale, None, self.bias)
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,15 +414,27 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         d = _f16(b[..., 0:2])
         codes = b[..., 2:].copy().view(np.int8).reshape(n, k)
         return Q8Weight(torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)))
-    if kind == "Q5_0":  # d, 32 high bits (qh), 16 bytes of low nibbles (byte j: inputs j and j + 16); w = d (q - 16)
-        b = data.reshape(n, k // BLOCK, 22)
+    if kind in ("Q5_0", "Q5_1"):  # d (, m), 32 fifth bits qh, 16 bytes of nibbles (byte j: inputs j, j + 16)
+        size = 22 if kind == "Q5_0" else 24
+        b = data.reshape(n, k // BLOCK, size)
         d = _f16(b[..., 0:2])
-        qh = b[..., 2:6].copy().view(np.uint32)  # [N, G, 1], little-endian as GGUF stores it
-        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [N, G, 32]: bit j is input j's fifth bit
-        qs = b[..., 6:22]
-        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32] in input order
-        codes = ((lo | (bits << 4).astype(np.uint8)).astype(np.int16) - 16).astype(np.int8).reshape(n, k)
-        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)))
+        off = -16 * d if kind == "Q5_0" else _f16(b[..., 2:4])  # Q5_0: w = d (q - 16); Q5_1: w = d q + m
+        qh = b[..., size - 20:size - 16].reshape(n, k // 8)  # already our layout, as are the nibbles
+        codes = b[..., size - 16:].reshape(n, k // 2)
+        return Q5Weight(torch.from_numpy(codes.copy()), torch.from_numpy(qh.copy()), torch.from_numpy(d),
+                        torch.from_numpy(np.ascontiguousarray(off)))
+    if kind == "Q5_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, qh[32], 128 bytes of nibbles
+        b = data.reshape(n, k // 256, 176)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k4_scales(b[..., 4:16])  # [N, S, 8]
+        qh = b[..., 16:48][:, :, None, None, :]  # [N, S, 1, 1, 32]: bit 2c (2c + 1) of byte l is the fifth bit of
+        q = b[..., 48:].reshape(n, k // 256, 4, 1, 32)  # input l (32 + l) of chunk c of 64
+        lo = np.concatenate([q & 15, q >> 4], axis=3)  # [N, S, 4, 2, 32]
+        shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, None, :, :, None]
+        codes = (lo | (((qh >> shift) & 1) << 4)).reshape(n, k)
+        scale = (d[..., None] * sc).reshape(n, k // BLOCK)
+        off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
+        return Q5Weight(*pack_q5(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off))
     if kind == "Q4_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         b = data.reshape(n, k // 256, 144)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -347,7 +470,7 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, s
         kind = t.tensor_type.name
         k = int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
         w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
-            kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0") and k % BLOCK == 0) else None
+            kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and k % BLOCK == 0) else None
         if w is None:
             other[t.name] = kind
         else:
@@ -432,11 +555,12 @@ class WeightPlan:
             return None
         if self.mode == "gguf":
             parts = [self.exact.get(n) for n in names]
-            if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+            w = fuse(parts) if all(p is not None for p in parts) else None
+            if w is None:
                 for n, p in zip(names, parts):
-                    self.kept.setdefault(n, "no exact block mapping" if p is None else "fused with another kind")
+                    self.kept.setdefault(n, "no exact block mapping" if p is None else
+                                         "fused with a kind no common format holds exactly")
                 return None
-            w = concat(parts) if len(parts) > 1 else parts[0]
         else:
             if any(int(x.shape[1]) % BLOCK for x in weights):
                 for n in names:
@@ -444,7 +568,7 @@ class WeightPlan:
                 return None
             w = quantize(torch.cat([x.detach() for x in weights]), self.mode)
         for n in names:
-            self._quantized[n] = f"q{4 if isinstance(w, Q4Weight) else 8}"
+            self._quantized[n] = f"q{bits_of(w)}"
         return w
 
     def head_weight(self, weight: torch.Tensor) -> QWeight | None:
@@ -510,7 +634,7 @@ def gguf_plan(model: torch.nn.Module, gguf_path: str | Path) -> WeightPlan:
     plan = WeightPlan("gguf", exact, str(gguf_path), kept)
     kinds: dict[str, int] = {}
     for w in exact.values():
-        kind = "4-bit" if isinstance(w, Q4Weight) else "8-bit"
+        kind = f"{bits_of(w)}-bit"
         kinds[kind] = kinds.get(kind, 0) + 1
     log.info("weights auto: %s from %s; float: %s", ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())),
              Path(gguf_path).name, ", ".join(f"{k} ({v})" for k, v in kept.items()) or "none")

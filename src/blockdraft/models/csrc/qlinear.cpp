@@ -33,7 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("scale_bits", &QLin::scale_bits, "16 when the scales are held as float16, else 32");
   m.def("make_qlin", &make_qlin,
         "a quantized linear, packed for the kernels: (bits 4: codes uint8 [N, K/2], scale and offset [N, K/32] | "
-        "bits 8: codes int8 [N, K], scale [N, K/16], offset None), bias [N] or None");
+        "bits 5: the same, and high uint8 [N, K/8] | bits 8: codes int8 [N, K], scale [N, K/16], offset None), "
+        "bias [N] or None",
+        pybind11::arg("bits"), pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("offset"),
+        pybind11::arg("bias"), pybind11::arg("high") = pybind11::none());
   m.def("kernel_isa", [] { return kernel_isa() == Isa::kVnni ? "avx512-vnni" : "avx2"; },
         "the instruction set the quantized products use now");
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU runs the AVX512-VNNI kernels");

@@ -1,8 +1,9 @@
 // Weight-only quantized linears for CPU decoding: y [M, N] = x [M, K] W^T, W stored in blocks of 32 along K.
 //
-// Two weight formats, chosen so that GGUF's own blocks map onto them without requantization (quant.py):
+// Three weight formats, chosen so that GGUF's own blocks map onto them without requantization (quant.py):
 //   q4: unsigned 4-bit codes c in 0..15 with a scale d and an offset o per block: w = d * c + o
 //       (GGUF Q4_0: o = -8d; Q4_1: o = m; Q4_K: d = d*sc, o = -dmin*m per sub-block of 32).
+//   q5: the same with a fifth bit, c in 0..31 (GGUF Q5_0: o = -16d; Q5_1: o = m; Q5_K as Q4_K).
 //   q8: signed 8-bit codes with a scale per 16 elements: w = s * c (GGUF Q8_0: one scale repeated for both
 //       halves of a block; Q6_K: codes - 32 with its per-16 scales).
 //
@@ -162,18 +163,20 @@ inline Q4Packed pack_q4(const torch::Tensor& qw, const torch::Tensor& d, const t
 // the codes. Its rows run side by side (2R independent chains of multiply-adds instead of 2 at a time, the scales
 // loaded once for all rows); each row's chain is the same sequence of operations as alone, so the result does not
 // depend on R.
-template <int R, typename S>
+// Centre: the codes' midpoint, 8 for q4 and 16 for q5 (whose centring term, 16 dx sum(xq) = 2 dxs8, is exact).
+template <int R, typename S, int Centre = 8>
 inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, int64_t row, const __m256* acc,
                        __m256* out) {
-  const __m256 eight = _mm256_set1_ps(8.f);
+  const __m256 centre = _mm256_set1_ps(static_cast<float>(Centre));
+  constexpr float times = Centre / 8;
   __m256 offp[R], offn[R];
   for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm256_setzero_ps();
   const float *xs = x.xs.data() + row * g, *dxs8 = x.dxs8.data() + row * g;
   for (int64_t b = 0; b < g; ++b) {
-    const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(eight, d8, load_scales(po + b * kPanel));
+    const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(centre, d8, load_scales(po + b * kPanel));
     for (int r = 0; r < R; ++r) {
       offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r * g + b]), offp[r]);
-      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(dxs8[r * g + b]), offn[r]);
+      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(times * dxs8[r * g + b]), offn[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp[r], offn[r]));
@@ -217,6 +220,94 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
     }
   }
   q4_offsets<R>(pd, po, g, x, row, acc, out);
+}
+
+// ------------------------------------------------------------------------------------------------------- q5
+// Panel layout of q5: the q4 panels' codes (the low 4 bits) plus, per panel and block, 32 bytes of fifth bits laid
+// out like one chunk of codes: byte 4c + i (column c) holds in bit t the fifth bit of the input whose low bits sit
+// in byte 4c + i of unpacked register t (inputs 4t + i for t < 4, 16 + 4(t - 4) + i for t >= 4). Register t's
+// fifth bits are then one shift and one mask away. Scales and offsets as q4's.
+struct Q5Packed {
+  Q4Packed low;        // the low 4 bits, scales and offsets
+  torch::Tensor high;  // uint8 [P, G, 32]
+};
+
+// hb uint8 [N, K/8] (per block, bit j of a little-endian 32-bit word = input j's fifth bit; GGUF's qh) -> panels
+inline Q5Packed pack_q5(const torch::Tensor& qw, const torch::Tensor& hb, const torch::Tensor& d,
+                        const torch::Tensor& o) {
+  Q5Packed p;
+  p.low = pack_q4(qw, d, o);
+  const Q4Packed& q = p.low;
+  p.high = torch::zeros({q.panels, q.g, 32}, torch::kByte);
+  const uint8_t* src = hb.data_ptr<uint8_t>();
+  uint8_t* dst = p.high.data_ptr<uint8_t>();
+  for (int64_t col = 0; col < q.n; ++col) {
+    const int64_t pi = col / kPanel, c = col % kPanel;
+    for (int64_t b = 0; b < q.g; ++b) {
+      const uint8_t* w = src + col * (q.k / 8) + b * 4;
+      uint8_t* out = dst + (pi * q.g + b) * 32 + c * 4;
+      for (int t = 0; t < 8; ++t)
+        for (int i = 0; i < 4; ++i) {
+          const int input = (t < 4 ? 4 * t : 16 + 4 * (t - 4)) + i;
+          out[i] |= static_cast<uint8_t>(((w[input / 8] >> (input % 8)) & 1) << t);
+        }
+    }
+  }
+  return p;
+}
+
+// Register t's fifth bits as 16 / 0 per byte: bit t of each byte moved to bit 4. The 16-bit shifts carry bits
+// across bytes only into positions other than 4 (at most 4 places, from the far end of the neighbouring byte).
+template <int T>
+inline __m256i fifth_bit(__m256i hb, __m256i m16) {
+  if constexpr (T < 4) return _mm256_and_si256(_mm256_slli_epi16(hb, 4 - T), m16);
+  else if constexpr (T == 4) return _mm256_and_si256(hb, m16);
+  else return _mm256_and_si256(_mm256_srli_epi16(hb, T - 4), m16);
+}
+
+// Block b of a q5 panel unpacked into 8 registers of codes 0..31 (q4's registers with the fifth bits added), the
+// same for every instruction set.
+template <typename S>
+inline void q5_block_codes(const uint8_t* pc, const uint8_t* ph, const S* pd, int64_t b, __m256i* w) {
+  q4_block_codes(pc, pd, b, w);
+  _mm_prefetch(reinterpret_cast<const char*>(ph + b * 32 + kPrefetch / 4), _MM_HINT_T0);
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + b * 32));
+  const __m256i m16 = _mm256_set1_epi8(0x10);
+  w[0] = _mm256_or_si256(w[0], fifth_bit<0>(hb, m16));
+  w[1] = _mm256_or_si256(w[1], fifth_bit<1>(hb, m16));
+  w[2] = _mm256_or_si256(w[2], fifth_bit<2>(hb, m16));
+  w[3] = _mm256_or_si256(w[3], fifth_bit<3>(hb, m16));
+  w[4] = _mm256_or_si256(w[4], fifth_bit<4>(hb, m16));
+  w[5] = _mm256_or_si256(w[5], fifth_bit<5>(hb, m16));
+  w[6] = _mm256_or_si256(w[6], fifth_bit<6>(hb, m16));
+  w[7] = _mm256_or_si256(w[7], fifth_bit<7>(hb, m16));
+}
+
+// R rows x one panel, q5: q4's arithmetic centred at 16. Codes up to 31 overflow int16 over a whole block
+// (16 products of 31 * 127 per lane), so each half of the registers widens on its own: 8 products <= 31496.
+template <int R, typename S>
+inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g, const QuantRows& x,
+                     int64_t row, __m256* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    __m256i w[8];
+    q5_block_codes(pc, ph, pd, b, w);
+    const __m256 d8 = load_scales(pd + b * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      __m256i s0 = _mm256_maddubs_epi16(w[0], bcast4(xb)), s1 = _mm256_maddubs_epi16(w[4], bcast4(xb + 16));
+      for (int j = 1; j < 4; ++j) {
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], bcast4(xb + 4 * j)));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 4], bcast4(xb + 16 + 4 * j)));
+      }
+      const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])),
+                               acc[r]);
+    }
+  }
+  q4_offsets<R, S, 16>(pd, po, g, x, row, acc, out);
 }
 
 // ------------------------------------------------------------------------------------------------------- q8
@@ -355,6 +446,30 @@ BLOCKDRAFT_VNNI inline void q4_panel_vnni(const uint8_t* pc, const S* pd, const 
 }
 
 template <int R, typename S>
+BLOCKDRAFT_VNNI inline void q5_panel_vnni(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g,
+                                          const QuantRows& x, int64_t row, __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    __m256i w[8];
+    q5_block_codes(pc, ph, pd, b, w);
+    const __m256 d8 = load_scales(pd + b * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], bcast4(xb));
+      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast4(xb + 4));
+      for (int j = 2; j < 8; j += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, w[j], bcast4(xb + 4 * j));
+        s1 = _mm256_dpbusd_epi32(s1, w[j + 1], bcast4(xb + 4 * j + 4));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
+    }
+  }
+  q4_offsets<R, S, 16>(pd, po, g, x, row, acc, out);
+}
+
+template <int R, typename S>
 BLOCKDRAFT_VNNI inline void q8_panel_vnni(const int8_t* pc, const S* ps, int64_t g, const QuantRows& x, int64_t row,
                                           __m256* out) {
   __m256 acc[R];
@@ -385,33 +500,36 @@ inline void store_panel(const __m256& v, const float* bias, int64_t col, int64_t
   for (int64_t c = 0; c < cols; ++c) y[col + c] = static_cast<U>(tmp[c] + (bias ? bias[col + c] : 0.f));
 }
 
-// panels [begin, end) of y = x W^T + bias on the VNNI kernels, rows in groups of up to kGroupRowsVnni (Bits: 4 or 8)
+// panels [begin, end) of y = x W^T + bias on the VNNI kernels, rows in groups of up to kGroupRowsVnni (Bits: 4, 5
+// or 8; high: q5's fifth bits, else null)
 template <int Bits, int R, typename S>
-BLOCKDRAFT_VNNI inline void panel_vnni(const void* codes, const S* s0, const S* s1, int64_t g, const QuantRows& x,
-                                       int64_t row, __m256* out) {
+BLOCKDRAFT_VNNI inline void panel_vnni(const void* codes, const uint8_t* high, const S* s0, const S* s1, int64_t g,
+                                       const QuantRows& x, int64_t row, __m256* out) {
   if constexpr (Bits == 4) q4_panel_vnni<R>(static_cast<const uint8_t*>(codes), s0, s1, g, x, row, out);
+  else if constexpr (Bits == 5) q5_panel_vnni<R>(static_cast<const uint8_t*>(codes), high, s0, s1, g, x, row, out);
   else q8_panel_vnni<R>(static_cast<const int8_t*>(codes), s0, g, x, row, out);
 }
 
 template <int Bits, typename S, typename U>
-BLOCKDRAFT_VNNI void panels_vnni(const QuantRows& x, const uint8_t* codes, int64_t panel_bytes, const S* s0,
-                                 const S* s1, int64_t panel_scales, int64_t g, int64_t n, const float* bias, U* y,
-                                 int64_t begin, int64_t end) {
+BLOCKDRAFT_VNNI void panels_vnni(const QuantRows& x, const uint8_t* codes, int64_t panel_bytes, const uint8_t* high,
+                                 const S* s0, const S* s1, int64_t panel_scales, int64_t g, int64_t n,
+                                 const float* bias, U* y, int64_t begin, int64_t end) {
   __m256 out[kGroupRowsVnni];
   for (int64_t pi = begin; pi < end; ++pi) {
     const uint8_t* pc = codes + pi * panel_bytes;
+    const uint8_t* ph = high != nullptr ? high + pi * g * 32 : nullptr;
     const S *a = s0 + pi * panel_scales, *o = s1 != nullptr ? s1 + pi * panel_scales : nullptr;
     for (int64_t r = 0; r < x.m;) {
       const int64_t rows = std::min<int64_t>(kGroupRowsVnni, x.m - r);
       switch (rows) {
-        case 8: panel_vnni<Bits, 8>(pc, a, o, g, x, r, out); break;
-        case 7: panel_vnni<Bits, 7>(pc, a, o, g, x, r, out); break;
-        case 6: panel_vnni<Bits, 6>(pc, a, o, g, x, r, out); break;
-        case 5: panel_vnni<Bits, 5>(pc, a, o, g, x, r, out); break;
-        case 4: panel_vnni<Bits, 4>(pc, a, o, g, x, r, out); break;
-        case 3: panel_vnni<Bits, 3>(pc, a, o, g, x, r, out); break;
-        case 2: panel_vnni<Bits, 2>(pc, a, o, g, x, r, out); break;
-        default: panel_vnni<Bits, 1>(pc, a, o, g, x, r, out); break;
+        case 8: panel_vnni<Bits, 8>(pc, ph, a, o, g, x, r, out); break;
+        case 7: panel_vnni<Bits, 7>(pc, ph, a, o, g, x, r, out); break;
+        case 6: panel_vnni<Bits, 6>(pc, ph, a, o, g, x, r, out); break;
+        case 5: panel_vnni<Bits, 5>(pc, ph, a, o, g, x, r, out); break;
+        case 4: panel_vnni<Bits, 4>(pc, ph, a, o, g, x, r, out); break;
+        case 3: panel_vnni<Bits, 3>(pc, ph, a, o, g, x, r, out); break;
+        case 2: panel_vnni<Bits, 2>(pc, ph, a, o, g, x, r, out); break;
+        default: panel_vnni<Bits, 1>(pc, ph, a, o, g, x, r, out); break;
       }
       for (int64_t i = 0; i < rows; ++i) store_panel(out[i], bias, pi * kPanel, n, y + (r + i) * n);
       r += rows;
@@ -451,7 +569,7 @@ inline void q4_panels(const QuantRows& xr, const Q4Packed& w, const float* bias,
   const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
   if (kernel_isa() == Isa::kVnni) {
     at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
-      panels_vnni<4>(xr, codes, w.g * 128, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
+      panels_vnni<4>(xr, codes, w.g * 128, nullptr, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
     });
     return;
   }
@@ -473,13 +591,40 @@ inline void q4_mm(const T* x, int64_t m, const Q4Packed& w, const float* bias, U
 }
 
 template <typename S, typename U>
+inline void q5_panels(const QuantRows& xr, const Q5Packed& w5, const float* bias, U* y) {
+  const Q4Packed& w = w5.low;
+  const uint8_t *codes = w.codes.data_ptr<uint8_t>(), *high = w5.high.data_ptr<uint8_t>();
+  const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
+  if (kernel_isa() == Isa::kVnni) {
+    at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+      panels_vnni<5>(xr, codes, w.g * 128, high, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
+    });
+    return;
+  }
+  at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
+    for (int64_t pi = begin; pi < end; ++pi)
+      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
+        q5_panel<decltype(rows)::value>(codes + pi * w.g * 128, high + pi * w.g * 32, d + pi * w.g * kPanel,
+                                        o + pi * w.g * kPanel, w.g, xr, r, out);
+      });
+  });
+}
+
+template <typename T, typename U>
+inline void q5_mm(const T* x, int64_t m, const Q5Packed& w, const float* bias, U* y) {
+  const QuantRows xr(x, m, w.low.k);
+  if (w.low.d.scalar_type() == at::kHalf) q5_panels<at::Half>(xr, w, bias, y);
+  else q5_panels<float>(xr, w, bias, y);
+}
+
+template <typename S, typename U>
 inline void q8_panels(const QuantRows& xr, const Q8Packed& w, const float* bias, U* y) {
   const int8_t* codes = w.codes.data_ptr<int8_t>();
   const S* s = w.s.data_ptr<S>();
   if (kernel_isa() == Isa::kVnni) {
     at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
-      panels_vnni<8>(xr, reinterpret_cast<const uint8_t*>(codes), w.g * 256, s, static_cast<const S*>(nullptr),
-                     w.g * 2 * kPanel, w.g, w.n, bias, y, begin, end);
+      panels_vnni<8>(xr, reinterpret_cast<const uint8_t*>(codes), w.g * 256, nullptr, s,
+                     static_cast<const S*>(nullptr), w.g * 2 * kPanel, w.g, w.n, bias, y, begin, end);
     });
     return;
   }
@@ -507,38 +652,50 @@ struct QLin {
   int bits = 0;
   int64_t n = 0, k = 0;
   Q4Packed q4;
+  Q5Packed q5;
   Q8Packed q8;
   torch::Tensor bias;
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
-  int scale_bits() const { return (bits == 4 ? q4.d : q8.s).scalar_type() == at::kHalf ? 16 : 32; }
+  int scale_bits() const {
+    return (bits == 4 ? q4.d : bits == 5 ? q5.low.d : q8.s).scalar_type() == at::kHalf ? 16 : 32;
+  }
 
   // y [m, n] = x [m, k] W^T + b
   template <typename T, typename U>
   void apply(const T* x, int64_t m, U* y) const {
     if (bits == 4) q4_mm(x, m, q4, bias_ptr(), y);
+    else if (bits == 5) q5_mm(x, m, q5, bias_ptr(), y);
     else q8_mm(x, m, q8, bias_ptr(), y);
   }
 };
 
-// bits 4: codes uint8 [N, K/2], scale / offset float32 [N, K/32]; bits 8: codes int8 [N, K], scale float32
-// [N, K/16]; bias float32-convertible [N] or none
+// bits 4: codes uint8 [N, K/2], scale / offset float32 [N, K/32]; bits 5: the same plus high uint8 [N, K/8] (the
+// fifth bits); bits 8: codes int8 [N, K], scale float32 [N, K/16]; bias float32-convertible [N] or none
 inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c10::optional<torch::Tensor> offset,
-                      c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> high) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "codes must be a 2-d CPU tensor");
   QLin q;
   q.bits = static_cast<int>(bits);
   q.n = codes.size(0);
-  q.k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  q.k = bits == 8 ? codes.size(1) : codes.size(1) * 2;
   TORCH_CHECK(q.k % kBlock == 0, "K must be a multiple of 32, got ", q.k);
   const torch::Tensor c = codes.contiguous(), s = scale.to(torch::kFloat).contiguous();
-  if (bits == 4) {
-    TORCH_CHECK(c.scalar_type() == at::kByte, "4-bit codes must be uint8 [N, K/2]");
-    TORCH_CHECK(offset.has_value() && offset->defined(), "4-bit weights need offsets");
+  if (bits == 4 || bits == 5) {
+    TORCH_CHECK(c.scalar_type() == at::kByte, bits, "-bit codes must be uint8 [N, K/2]");
+    TORCH_CHECK(offset.has_value() && offset->defined(), bits, "-bit weights need offsets");
     const torch::Tensor o = offset->to(torch::kFloat).contiguous();
     TORCH_CHECK(s.numel() == q.n * (q.k / kBlock) && o.numel() == s.numel(), "scale / offset must be [N, K/32]");
-    q.q4 = pack_q4(c, s, o);
+    if (bits == 4) {
+      q.q4 = pack_q4(c, s, o);
+    } else {
+      TORCH_CHECK(high.has_value() && high->defined(), "5-bit weights need their fifth bits (high)");
+      const torch::Tensor h = high->contiguous();
+      TORCH_CHECK(h.scalar_type() == at::kByte && h.dim() == 2 && h.size(0) == q.n && h.size(1) == q.k / 8,
+                  "high must be uint8 [N, K/8] = [", q.n, ", ", q.k / 8, "]");
+      q.q5 = pack_q5(c, h, s, o);
+    }
   } else {
     TORCH_CHECK(c.scalar_type() == at::kChar, "8-bit codes must be int8 [N, K]");
     TORCH_CHECK(s.numel() == q.n * (q.k / 16), "scale must be [N, K/16]");
