@@ -54,6 +54,8 @@ BLOCKDRAFT_CACHE ?= $(HOME)/.cache/blockdraft
 LLAMACPP_BUILD := $(BLOCKDRAFT_CACHE)/llama.cpp/build
 LLAMACPP_BIN := $(BLOCKDRAFT_CACHE)/llama.cpp/bin
 LLAMACPP_TOOLS := llama-server llama-speculative-simple llama-completion
+# applied once to the vendored tree (each says why): the Qwen2 graph's layer inputs, which llama.cpp's DFlash reads
+LLAMACPP_PATCHES := $(wildcard patches/llama.cpp-*.patch)
 llamacpp: llamacpp-tools
 	$(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMACPP_VERSION)')" 2>/dev/null || \
 		CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)'" \
@@ -64,6 +66,8 @@ llamacpp-tools: setup
 	test -f $(LLAMACPP_SDIST) || $(PIP) download --no-deps --no-binary llama-cpp-python \
 		'llama-cpp-python==$(LLAMACPP_VERSION)' -d cache/llamacpp
 	test -d $(LLAMACPP_SRC) || tar xzf $(LLAMACPP_SDIST) -C cache/llamacpp
+	for p in $(LLAMACPP_PATCHES); do patch -d $(LLAMACPP_SRC) -p1 -R -s -f --dry-run < $$p > /dev/null || \
+		patch -d $(LLAMACPP_SRC) -p1 -s < $$p || exit 1; done
 	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 		-DCMAKE_C_FLAGS='$(LLAMACPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_FLAGS)' -DBUILD_SHARED_LIBS=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF

@@ -167,7 +167,7 @@ def cmd_data(args) -> int:
     out = run_regeneration(target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            dtype=args.dtype, temperature=args.temperature, extra_jsonl=tuple(args.jsonl),
-                           num_threads=args.threads, weights=args.weights)
+                           num_threads=args.threads, weights=args.weights, only_task=args.only_task)
     print(json.dumps(out.get("summary", {}), default=str))
     return 0
 
@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--only-task", default=None, choices=["sharegpt", "gsm", "jsonl"],
+                   help="regenerate only this task's train prompts not yet written (the rest of the plan stays "
+                        "for a later run without it)")
     _weights_arg(d)
     d.set_defaults(func=cmd_data)
 

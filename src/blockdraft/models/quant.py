@@ -4,14 +4,14 @@ Why: a decode step of a small target is bound by the bytes of weights it reads. 
 weight; dequantized to bf16 the same model reads 16. Three formats cover what GGUF files hold (`csrc/qlinear.h`):
 - `Q4Weight`: 4-bit codes c with a scale d and an offset o per block of 32 along the input: w = d * c + o. GGUF's
   Q4_0 (o = -8d), Q4_1 (o = m) and Q4_K (per sub-block d * sc and -dmin * m) map onto it exactly.
-- `Q5Weight`: the same with a fifth bit per code (c in 0..31, 5.5 bits per weight with float16 scales): GGUF's Q5_0
-  (o = -16d), Q5_1 (o = m) and Q5_K (per sub-block, as Q4_K) map onto it exactly.
+- `Q5Weight`: the same with a fifth bit per code (c in 0..31; 6 bits per weight as the kernels hold it, scale and
+  offset in float16): GGUF's Q5_0 (o = -16d), Q5_1 (o = m) and Q5_K (per sub-block, as Q4_K) map onto it exactly.
 - `Q8Weight`: signed 8-bit codes with a scale per 16 inputs: w = s * c. GGUF's Q8_0 (one scale per 32) and Q6_K
   (codes - 32, one scale per 16) map onto it exactly.
 A fused linear whose parts differ in kind (a Q5_0 q/k beside a Q8_0 v) takes the narrowest format that holds every
 part exactly (`fuse`).
-A bf16 / fp32 model can be quantized into either (`quantize_q4`, `quantize_q8`: groups of 32, min/max and absmax),
-opt-in, at some cost in quality.
+A bf16 / fp32 model can be quantized into 4 or 8 bits (`quantize_q4`, `quantize_q8`: groups of 32, min/max and
+absmax; the `int4` / `int8` weights modes), opt-in, at some cost in quality; `quantize_q5` does the same in 5 bits.
 
 The kernels quantize activations per row and block of 32 to int8 (as llama.cpp does) and compute integer dot
 products with AVX2. Each output element is computed the same way whatever the number of rows, so a multi-token
@@ -592,7 +592,7 @@ class WeightPlan:
         for k in self._quantized.values():
             kinds[k] = kinds.get(k, 0) + 1
         return {"mode": self.mode, "source": self.source, "quantized": kinds, "kept": dict(self.kept),
-                "kernels": kernel_status() or "avx2"}
+                "kernels": kernel_status() or kernel_isa()}
 
 
 def plan_weights(mode: str, model: torch.nn.Module, gguf_path: str | Path | None = None) -> WeightPlan:
