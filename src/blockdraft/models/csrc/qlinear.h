@@ -420,14 +420,17 @@ inline Isa kernel_isa() { return static_cast<Isa>(isa_slot().load(std::memory_or
 
 constexpr int64_t kGroupRowsVnni = 8;  // rows per weight register: 8 accumulators and 8 codes fit 32 registers
 
-template <int R, typename S>
-BLOCKDRAFT_VNNI inline void q4_panel_vnni(const uint8_t* pc, const S* pd, const S* po, int64_t g,
-                                          const QuantRows& x, int64_t row, __m256* out) {
+// R rows x one panel, q4 (ph null) or q5 (ph: its fifth bits): the codes are unsigned, so vpdpbusd takes them as
+// they are; the offsets pass centres them (at 8 or 16) as on AVX2.
+template <int R, int Bits, typename S>
+BLOCKDRAFT_VNNI inline void q45_panel_vnni(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g,
+                                           const QuantRows& x, int64_t row, __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
     __m256i w[8];
-    q4_block_codes(pc, pd, b, w);
+    if constexpr (Bits == 5) q5_block_codes(pc, ph, pd, b, w);
+    else q4_block_codes(pc, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
@@ -442,31 +445,7 @@ BLOCKDRAFT_VNNI inline void q4_panel_vnni(const uint8_t* pc, const S* pd, const 
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
     }
   }
-  q4_offsets<R>(pd, po, g, x, row, acc, out);
-}
-
-template <int R, typename S>
-BLOCKDRAFT_VNNI inline void q5_panel_vnni(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g,
-                                          const QuantRows& x, int64_t row, __m256* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < g; ++b) {
-    __m256i w[8];
-    q5_block_codes(pc, ph, pd, b, w);
-    const __m256 d8 = load_scales(pd + b * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
-      __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], bcast4(xb));
-      __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast4(xb + 4));
-      for (int j = 2; j < 8; j += 2) {
-        s0 = _mm256_dpbusd_epi32(s0, w[j], bcast4(xb + 4 * j));
-        s1 = _mm256_dpbusd_epi32(s1, w[j + 1], bcast4(xb + 4 * j + 4));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
-    }
-  }
-  q4_offsets<R, S, 16>(pd, po, g, x, row, acc, out);
+  q4_offsets<R, S, Bits == 5 ? 16 : 8>(pd, po, g, x, row, acc, out);
 }
 
 template <int R, typename S>
@@ -505,9 +484,8 @@ inline void store_panel(const __m256& v, const float* bias, int64_t col, int64_t
 template <int Bits, int R, typename S>
 BLOCKDRAFT_VNNI inline void panel_vnni(const void* codes, const uint8_t* high, const S* s0, const S* s1, int64_t g,
                                        const QuantRows& x, int64_t row, __m256* out) {
-  if constexpr (Bits == 4) q4_panel_vnni<R>(static_cast<const uint8_t*>(codes), s0, s1, g, x, row, out);
-  else if constexpr (Bits == 5) q5_panel_vnni<R>(static_cast<const uint8_t*>(codes), high, s0, s1, g, x, row, out);
-  else q8_panel_vnni<R>(static_cast<const int8_t*>(codes), s0, g, x, row, out);
+  if constexpr (Bits == 8) q8_panel_vnni<R>(static_cast<const int8_t*>(codes), s0, g, x, row, out);
+  else q45_panel_vnni<R, Bits>(static_cast<const uint8_t*>(codes), high, s0, s1, g, x, row, out);
 }
 
 template <int Bits, typename S, typename U>
