@@ -174,28 +174,29 @@ def pack_q5(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_q4(c & 15), fifth.sum(-1, dtype=torch.uint8)
 
 
-def quantize_q4(w: torch.Tensor) -> Q4Weight:
-    """w [N, K] (K % 32 == 0) -> 4-bit codes per block of 32 from each block's min and max (asymmetric)."""
+def _minmax_codes(w: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K % 32 == 0) -> (codes [N, K] in 0..top, scale [N, K/32], offset [N, K/32]) from each block's min
+    and max (asymmetric): w ~ scale * code + offset."""
     n, k = w.shape
     assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
     g = w.detach().float().view(n, k // BLOCK, BLOCK)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15
+    scale = (hi - lo) / top
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).view(n, k)
-    return Q4Weight(pack_q4(codes), scale.contiguous(), lo.contiguous())
+    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, top).view(n, k)
+    return codes, scale.contiguous(), lo.contiguous()
+
+
+def quantize_q4(w: torch.Tensor) -> Q4Weight:
+    """w [N, K] (K % 32 == 0) -> 4-bit codes per block of 32 from each block's min and max (asymmetric)."""
+    codes, scale, offset = _minmax_codes(w, 15)
+    return Q4Weight(pack_q4(codes), scale, offset)
 
 
 def quantize_q5(w: torch.Tensor) -> Q5Weight:
     """w [N, K] (K % 32 == 0) -> 5-bit codes per block of 32 from each block's min and max (as GGUF's Q5_1)."""
-    n, k = w.shape
-    assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
-    g = w.detach().float().view(n, k // BLOCK, BLOCK)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 31
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 31).view(n, k)
-    return Q5Weight(*pack_q5(codes), scale.contiguous(), lo.contiguous())
+    codes, scale, offset = _minmax_codes(w, 31)
+    return Q5Weight(*pack_q5(codes), scale, offset)
 
 
 def quantize_q8(w: torch.Tensor) -> Q8Weight:

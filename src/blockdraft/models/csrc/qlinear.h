@@ -541,58 +541,34 @@ inline void panel_rows(int64_t m, int64_t pi, int64_t n, const float* bias, U* y
 // Panels per parallel task: enough work per task that the pool's overhead stays small.
 inline int64_t panel_grain(int64_t k) { return std::max<int64_t>(1, 2048 / std::max<int64_t>(k, 1)); }
 
-template <typename S, typename U>
-inline void q4_panels(const QuantRows& xr, const Q4Packed& w, const float* bias, U* y) {
+// the 4-bit (high null) or 5-bit (high: the fifth bits, uint8 [P, G, 32]) products over w's panels
+template <int Bits, typename S, typename U>
+inline void q45_panels(const QuantRows& xr, const Q4Packed& w, const uint8_t* high, const float* bias, U* y) {
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
   if (kernel_isa() == Isa::kVnni) {
     at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
-      panels_vnni<4>(xr, codes, w.g * 128, nullptr, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
+      panels_vnni<Bits>(xr, codes, w.g * 128, high, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
     });
     return;
   }
   at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi)
       panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
-        q4_panel<decltype(rows)::value>(codes + pi * w.g * 128, d + pi * w.g * kPanel, o + pi * w.g * kPanel, w.g,
-                                        xr, r, out);
+        const uint8_t* pc = codes + pi * w.g * 128;
+        const S *pd = d + pi * w.g * kPanel, *po = o + pi * w.g * kPanel;
+        if constexpr (Bits == 5) q5_panel<decltype(rows)::value>(pc, high + pi * w.g * 32, pd, po, w.g, xr, r, out);
+        else q4_panel<decltype(rows)::value>(pc, pd, po, w.g, xr, r, out);
       });
   });
 }
 
-// y [M, N] (U) = x [M, K] (T) W^T + bias
-template <typename T, typename U>
-inline void q4_mm(const T* x, int64_t m, const Q4Packed& w, const float* bias, U* y) {
+// y [M, N] (U) = x [M, K] (T) W^T + bias, 4-bit (high null) or 5-bit codes
+template <int Bits, typename T, typename U>
+inline void q45_mm(const T* x, int64_t m, const Q4Packed& w, const uint8_t* high, const float* bias, U* y) {
   const QuantRows xr(x, m, w.k);
-  if (w.d.scalar_type() == at::kHalf) q4_panels<at::Half>(xr, w, bias, y);
-  else q4_panels<float>(xr, w, bias, y);
-}
-
-template <typename S, typename U>
-inline void q5_panels(const QuantRows& xr, const Q5Packed& w5, const float* bias, U* y) {
-  const Q4Packed& w = w5.low;
-  const uint8_t *codes = w.codes.data_ptr<uint8_t>(), *high = w5.high.data_ptr<uint8_t>();
-  const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
-  if (kernel_isa() == Isa::kVnni) {
-    at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
-      panels_vnni<5>(xr, codes, w.g * 128, high, d, o, w.g * kPanel, w.g, w.n, bias, y, begin, end);
-    });
-    return;
-  }
-  at::parallel_for(0, w.panels, panel_grain(w.k), [&](int64_t begin, int64_t end) {
-    for (int64_t pi = begin; pi < end; ++pi)
-      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
-        q5_panel<decltype(rows)::value>(codes + pi * w.g * 128, high + pi * w.g * 32, d + pi * w.g * kPanel,
-                                        o + pi * w.g * kPanel, w.g, xr, r, out);
-      });
-  });
-}
-
-template <typename T, typename U>
-inline void q5_mm(const T* x, int64_t m, const Q5Packed& w, const float* bias, U* y) {
-  const QuantRows xr(x, m, w.low.k);
-  if (w.low.d.scalar_type() == at::kHalf) q5_panels<at::Half>(xr, w, bias, y);
-  else q5_panels<float>(xr, w, bias, y);
+  if (w.d.scalar_type() == at::kHalf) q45_panels<Bits, at::Half>(xr, w, high, bias, y);
+  else q45_panels<Bits, float>(xr, w, high, bias, y);
 }
 
 template <typename S, typename U>
@@ -642,8 +618,8 @@ struct QLin {
   // y [m, n] = x [m, k] W^T + b
   template <typename T, typename U>
   void apply(const T* x, int64_t m, U* y) const {
-    if (bits == 4) q4_mm(x, m, q4, bias_ptr(), y);
-    else if (bits == 5) q5_mm(x, m, q5, bias_ptr(), y);
+    if (bits == 4) q45_mm<4>(x, m, q4, nullptr, bias_ptr(), y);
+    else if (bits == 5) q45_mm<5>(x, m, q5.low, q5.high.data_ptr<uint8_t>(), bias_ptr(), y);
     else q8_mm(x, m, q8, bias_ptr(), y);
   }
 };
