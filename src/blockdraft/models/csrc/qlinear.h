@@ -73,36 +73,45 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Activations of M rows, quantized per block of 32: codes xq [M, K], scales dx [M, G], exact block sums xs [M, G]
-// and 8 dx times the sum of each block's codes, dxs8 [M, G] (the q4 kernel's centring term).
+// Activations of M rows, quantized per block of 32: codes xq, scales dx, exact block sums xs and 8 dx times the sum of
+// each block's codes, dxs8 (the q4 kernel's centring term). Stored block-major (xq [G, M, 32], the others [G, M]):
+// a kernel on rows row .. row + R - 1 finds every row of block b at a fixed distance from the first, so the
+// addresses cost no integer work per row (row-major, they cost a multiply and several adds per row and block, and
+// spilled the integer registers of the 8-row VNNI kernels).
 struct QuantRows {
   int64_t m = 0, k = 0, g = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xs, dxs8;
+
+  // block b's codes of row `row` (the rows after it follow every kBlock bytes), and its per-block values
+  const int8_t* codes(int64_t row, int64_t b) const { return xq.data() + (b * m + row) * kBlock; }
+  const float* scales(int64_t row, int64_t b) const { return dx.data() + b * m + row; }
 
   template <typename T>
   QuantRows(const T* x, int64_t m_, int64_t k_) : m(m_), k(k_), g(k_ / kBlock), xq(m_ * k_), dx(m_ * g),
                                                    xs(m_ * g), dxs8(m_ * g) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t i = 0; i < m * g; ++i) {
-      const T* src = x + i * kBlock;
-      __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = load8(src + 8 * j);
-      const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      const float d = hmax256(amax) / 127.f;
-      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      __m256i q[4];
-      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
-      const __m256i packed = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + i * kBlock), packed);
-      const int csum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-      dx[i] = d;
-      xs[i] = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-      dxs8[i] = 8.f * d * static_cast<float>(csum);
-    }
+    for (int64_t row = 0; row < m; ++row)
+      for (int64_t b = 0; b < g; ++b) {
+        const T* src = x + row * k + b * kBlock;
+        const int64_t i = b * m + row;
+        __m256 v[4];
+        for (int j = 0; j < 4; ++j) v[j] = load8(src + 8 * j);
+        const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        const float d = hmax256(amax) / 127.f;
+        const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        __m256i q[4];
+        for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + i * kBlock), packed);
+        const int csum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        dx[i] = d;
+        xs[i] = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        dxs8[i] = 8.f * d * static_cast<float>(csum);
+      }
   }
 };
 
@@ -171,12 +180,12 @@ inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, 
   constexpr float times = Centre / 8;
   __m256 offp[R], offn[R];
   for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm256_setzero_ps();
-  const float *xs = x.xs.data() + row * g, *dxs8 = x.dxs8.data() + row * g;
   for (int64_t b = 0; b < g; ++b) {
     const __m256 d8 = load_scales(pd + b * kPanel), a8 = _mm256_fmadd_ps(centre, d8, load_scales(po + b * kPanel));
+    const float *xs = x.xs.data() + b * x.m + row, *dxs8 = x.dxs8.data() + b * x.m + row;
     for (int r = 0; r < R; ++r) {
-      offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r * g + b]), offp[r]);
-      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(times * dxs8[r * g + b]), offn[r]);
+      offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r]), offp[r]);
+      offn[r] = _mm256_fmadd_ps(d8, _mm256_set1_ps(times * dxs8[r]), offn[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(offp[r], offn[r]));
@@ -211,12 +220,14 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
     __m256i w[8];
     q4_block_codes(pc, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
+    const int8_t* xr = x.codes(row, b);
+    const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      const int8_t* xb = xr + r * kBlock;
       __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xb));
       for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], bcast4(xb + 4 * j)));
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(dxr[r])), acc[r]);
     }
   }
   q4_offsets<R>(pd, po, g, x, row, acc, out);
@@ -295,15 +306,17 @@ inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const S* pd, const S*
     __m256i w[8];
     q5_block_codes(pc, ph, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
+    const int8_t* xr = x.codes(row, b);
+    const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      const int8_t* xb = xr + r * kBlock;
       __m256i s0 = _mm256_maddubs_epi16(w[0], bcast4(xb)), s1 = _mm256_maddubs_epi16(w[4], bcast4(xb + 16));
       for (int j = 1; j < 4; ++j) {
         s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], bcast4(xb + 4 * j)));
         s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 4], bcast4(xb + 16 + 4 * j)));
       }
       const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])),
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(dxr[r])),
                                acc[r]);
     }
   }
@@ -353,11 +366,12 @@ inline void q8_prefetch(const int8_t* pc, const S* ps, int64_t b) {
 
 // acc[r] += the integer dots of block b's halves (lo, hi) times their scales and row r's activation scale
 template <int R, typename S>
-inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const S* ps, int64_t b, int64_t g, const QuantRows& x,
+inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const S* ps, int64_t b, const QuantRows& x,
                            int64_t row, __m256* acc) {
   const __m256 slo = load_scales(ps + b * 2 * kPanel), shi = load_scales(ps + b * 2 * kPanel + kPanel);
+  const float* dxr = x.scales(row, b);
   for (int r = 0; r < R; ++r) {
-    const __m256 dxv = _mm256_set1_ps(x.dx[(row + r) * g + b]);
+    const __m256 dxv = _mm256_set1_ps(dxr[r]);
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(slo, dxv), acc[r]);
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(shi, dxv), acc[r]);
   }
@@ -374,17 +388,25 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
     q8_prefetch(pc, ps, b);
-    for (int j = 0; j < 8; ++j) {
+    const int8_t* xr = x.codes(row, b);
+    // the halves in two loops, each unrolled: a test on j inside one loop kept it rolled and spilled accumulators
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
       const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_sign_epi8(bcast4(x.xq.data() + (row + r) * x.k + b * kBlock + 4 * j), w);
-        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-        if (j < 4) lo[r] = _mm256_add_epi32(lo[r], t);
-        else hi[r] = _mm256_add_epi32(hi[r], t);
-      }
+      for (int r = 0; r < R; ++r)
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
     }
-    q8_scale_block<R>(lo, hi, ps, b, g, x, row, acc);
+#pragma GCC unroll 4
+    for (int j = 4; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r)
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
+    }
+    q8_scale_block<R>(lo, hi, ps, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
@@ -432,8 +454,10 @@ BLOCKDRAFT_VNNI inline void q45_panel_vnni(const uint8_t* pc, const uint8_t* ph,
     if constexpr (Bits == 5) q5_block_codes(pc, ph, pd, b, w);
     else q4_block_codes(pc, pd, b, w);
     const __m256 d8 = load_scales(pd + b * kPanel);
+    const int8_t* xr = x.codes(row, b);
+    const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x.xq.data() + (row + r) * x.k + b * kBlock;
+      const int8_t* xb = xr + r * kBlock;
       // two chains: each vpdpbusd waits on the one before it in its chain
       __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], bcast4(xb));
       __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast4(xb + 4));
@@ -442,7 +466,7 @@ BLOCKDRAFT_VNNI inline void q45_panel_vnni(const uint8_t* pc, const uint8_t* ph,
         s1 = _mm256_dpbusd_epi32(s1, w[j + 1], bcast4(xb + 4 * j + 4));
       }
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(x.dx[(row + r) * g + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(dxr[r])), acc[r]);
     }
   }
   q4_offsets<R, S, Bits == 5 ? 16 : 8>(pd, po, g, x, row, acc, out);
@@ -457,16 +481,23 @@ BLOCKDRAFT_VNNI inline void q8_panel_vnni(const int8_t* pc, const S* ps, int64_t
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
     q8_prefetch(pc, ps, b);
-    for (int j = 0; j < 8; ++j) {
+    const int8_t* xr = x.codes(row, b);
+    // |c| as unsigned bytes; the signs move onto x. The halves in two unrolled loops (see q8_panel).
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |c| as unsigned bytes; the signs move onto x
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_sign_epi8(bcast4(x.xq.data() + (row + r) * x.k + b * kBlock + 4 * j), w);
-        if (j < 4) lo[r] = _mm256_dpbusd_epi32(lo[r], aw, xv);
-        else hi[r] = _mm256_dpbusd_epi32(hi[r], aw, xv);
-      }
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r)
+        lo[r] = _mm256_dpbusd_epi32(lo[r], aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w));
     }
-    q8_scale_block<R>(lo, hi, ps, b, g, x, row, acc);
+#pragma GCC unroll 4
+    for (int j = 4; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + j * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r)
+        hi[r] = _mm256_dpbusd_epi32(hi[r], aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w));
+    }
+    q8_scale_block<R>(lo, hi, ps, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
