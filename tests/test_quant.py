@@ -109,9 +109,11 @@ def test_kernel_matches_naive_reference(kind, dtype, half_scales, isa):
 @pytest.mark.parametrize("half_scales", [False, True])
 def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales, isa):
     gen = torch.Generator().manual_seed(1)
-    lin = QuantLinear(_weights(kind, 99, 96, gen, half_scales))
+    # 1,099 columns: enough 16-column tiles that two threads split them into several chunks of work
+    lin = QuantLinear(_weights(kind, 1099, 96, gen, half_scales))
     assert lin.native().scale_bits == (16 if half_scales else 32)
     x = torch.randn(19, 96, generator=gen)
+    torch.set_num_threads(2)
     full = lin(x)
     for i in (0, 4, 10, 18):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])  # bitwise: the exactness of speculative decoding rests on it
