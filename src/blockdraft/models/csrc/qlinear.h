@@ -10,7 +10,8 @@
 // Layout: the kernels read weights repacked once into panels of 8 output columns (`pack_q4`, `pack_q8`). Within a
 // panel and block, one 32-bit lane of a vector register holds 4 consecutive inputs of one column, so a vector of
 // 8 lanes is 8 columns. Panels are stored in pairs ("tiles" of 16 columns), interleaved every 32 bytes, so that a
-// 512-bit register loads the same 4 inputs of 16 columns from one address and the weights stream from one place. The activations' 4 matching inputs are broadcast to every lane, and the integer
+// 512-bit register loads the same 4 inputs of 16 columns from one address and the weights stream from one place.
+// The activations' 4 matching inputs are broadcast to every lane, and the integer
 // multiply-adds leave each column's dot product in its own lane: no horizontal sums, the block's scales apply to 8
 // columns in one instruction, and with several rows each unpacked weight register serves every row. That is what
 // makes a multi-token verify cost little more than one token where the weights, not the arithmetic, are the bound.
@@ -208,7 +209,8 @@ inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, 
 template <typename S>
 inline void q4_block_codes(const uint8_t* pc, const S* pd, int64_t b, __m256i* w) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
+  for (int i = 0; i < 4; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(pd + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
   for (int t = 0; t < 4; ++t) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + t * 64));
@@ -246,9 +248,10 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
 
 // ------------------------------------------------------------------------------------------------------- q5
 // Panel layout of q5: the q4 panels' codes (the low 4 bits) plus, per panel and block, 32 bytes of fifth bits laid
-// out like one chunk of codes (a tile's two panels after each other, [P/2][G][2][32]): byte 4c + i (column c) holds in bit t the fifth bit of the input whose low bits sit
-// in byte 4c + i of unpacked register t (inputs 4t + i for t < 4, 16 + 4(t - 4) + i for t >= 4). Register t's
-// fifth bits are then one shift and one mask away. Scales and offsets as q4's.
+// out like one chunk of codes (a tile's two panels after each other, [P/2][G][2][32]): byte 4c + i (column c)
+// holds in bit t the fifth bit of the input whose low bits sit in byte 4c + i of unpacked register t (inputs 4t + i
+// for t < 4, 16 + 4(t - 4) + i for t >= 4). Register t's fifth bits are then one shift and one mask away. Scales and
+// offsets as q4's.
 struct Q5Packed {
   Q4Packed low;        // the low 4 bits, scales and offsets
   torch::Tensor high;  // uint8 [P/2, G, 64]
@@ -340,7 +343,8 @@ inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const S* pd, const S*
 // two panels' 8 columns.
 struct Q8Packed {
   int64_t n = 0, k = 0, g = 0, panels = 0;
-  torch::Tensor codes, s;  // int8 [P/2, G, 512]; float16 (when exact, as GGUF's Q8_0 scales are) or float32 [P/2, G, 32]
+  // int8 [P/2, G, 512]; float16 (when exact, as GGUF's Q8_0 scales are) or float32 [P/2, G, 32]
+  torch::Tensor codes, s;
 };
 
 // qw int8 [N, K], s float32 [N, K/16] -> panels (padding columns: zero codes and scales)
@@ -373,7 +377,8 @@ inline Q8Packed pack_q8(const torch::Tensor& qw, const torch::Tensor& s) {
 // Block b of a q8 panel: ask for the weights kPrefetch bytes ahead.
 template <typename S>
 inline void q8_prefetch(const int8_t* pc, const S* ps, int64_t b) {
-  for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(pc + b * 512 + kPrefetch + 64 * i), _MM_HINT_T0);
+  for (int i = 0; i < 8; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(pc + b * 512 + kPrefetch + 64 * i), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(ps + b * 4 * kPanel + kPrefetch / 8), _MM_HINT_T0);
 }
 
@@ -455,6 +460,8 @@ inline std::atomic<int>& isa_slot() {
 }
 inline Isa kernel_isa() { return static_cast<Isa>(isa_slot().load(std::memory_order_relaxed)); }
 
+// The tile kernels take twice the bytes per block: asked for twice as far ahead (the same number of blocks), a
+// one-token step matched the 256-bit kernels' (1024 bytes ahead it was ~10% slower).
 constexpr int64_t kPrefetchTile = 2048;
 constexpr int64_t kGroupRowsVnni = 8;  // rows per weight register: 8 accumulators and 8 codes fit 32 registers
 
@@ -481,7 +488,8 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetchTile + 64 * i), _MM_HINT_T0);
+    for (int i = 0; i < 4; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetchTile + 64 * i), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(pd + b * 2 * kPanel + kPrefetchTile / 8), _MM_HINT_T0);
     __m512i w[8];
     for (int t = 0; t < 4; ++t) {
@@ -682,7 +690,9 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f) {
 }
 
 // Units (panels or tiles) in the smallest chunk of work: about 32 KB of weights.
-inline int64_t chunk_units(int64_t unit_bytes) { return std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(unit_bytes, 1)); }
+inline int64_t chunk_units(int64_t unit_bytes) {
+  return std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(unit_bytes, 1));
+}
 
 // the 4-bit (high null) or 5-bit (high: the fifth bits, uint8 [P, G, 32]) products over w's panels
 template <int Bits, typename S, typename U>
