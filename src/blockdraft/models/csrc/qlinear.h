@@ -525,7 +525,8 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, _mm512_set1_ps(dxr[r])), acc[r]);
     }
   }
-  // the offset terms, a second pass as in q4_offsets
+  // the offset terms, a second pass: q4_offsets on 512-bit registers (a copy, not a shared template: the AVX2 one
+  // must compile without AVX-512, and GCC compiles these per function for the VNNI target)
   constexpr int Centre = Bits == 5 ? 16 : 8;
   constexpr float times = Centre / 8;
   const __m512 centre = _mm512_set1_ps(static_cast<float>(Centre));
