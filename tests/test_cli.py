@@ -104,6 +104,9 @@ def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
     for split, data in (("train", regen / "shards"), ("heldout", regen / "shards-heldout")):
         run("teacher-cache", "--target", tiny_dir, "--data", data, "--out", cache / split, "--layer-ids", "1,2",
             "--dtype", "fp32", "--threads", "1")
+    past = run("teacher-cache", "--target", tiny_dir, "--data", regen / "shards", "--out", cache / "past",
+               "--offset", "100000", "--dtype", "fp32", check=False)
+    assert past.returncode == 2 and "--offset" in past.stderr and not (cache / "past").exists()
     out = run("train", "--target", tiny_dir, "--cache", cache / "train", "--heldout-cache", cache / "heldout",
               "--out-dir", run_dir, "--num-layers", "1", "--layer-ids", "1,2", "--block-size", "4", "--steps", "4",
               "--eval-every", "2", "--eval-seqs", "4", "--walk-seqs", "2", "--draft-vocab-size", "64",

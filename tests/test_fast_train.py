@@ -114,6 +114,21 @@ def test_teacher_cache_roundtrip_resume_and_spec_check(tiny_target, tmp_path):
         TeacherCache(out)
 
 
+
+def test_a_cache_of_appended_records_is_the_tail_of_one_cache_of_all(tiny_target, tmp_path):
+    recs = _records(5, seed=3)
+    build_teacher_cache(tiny_target, recs, tmp_path / "all", [1, 3], topk=4, chunk_records=2)
+    build_teacher_cache(tiny_target, recs[:2], tmp_path / "head", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs[2:], tmp_path / "tail", [1, 3], topk=4, first_record=2)
+    whole = TeacherCache(tmp_path / "all").sequences
+    parts = TeacherCache(tmp_path / "head").sequences + TeacherCache(tmp_path / "tail").sequences
+    assert [q.id for q in parts] == [q.id for q in whole]
+    for a, b in zip(parts, whole):
+        assert a.greedy.tolist() == b.greedy.tolist() and np.array_equal(np.asarray(a.feats), np.asarray(b.feats))
+    # resuming the tail's cache with records cut from elsewhere would mix two slices in one cache
+    with pytest.raises(ValueError, match="first_record"):
+        build_teacher_cache(tiny_target, recs[1:], tmp_path / "tail", [1, 3], topk=4, first_record=1)
+
 def test_batch_labels_are_teacher_forced_greedy_tokens(tiny_target, tmp_path):
     recs = _records(2, seed=1)
     build_teacher_cache(tiny_target, recs, tmp_path / "tc", [1, 3], topk=4)

@@ -247,9 +247,15 @@ def cmd_teacher_cache(args) -> int:
         torch.set_num_threads(args.threads)
     from .train.precision import compute_dtype, dtype_name
 
+    if args.offset < 0 or (args.limit is not None and args.limit < 0):
+        raise ValueError("--offset and --limit must be >= 0")
+    records = load_records(args.data)
+    if args.offset > len(records):
+        raise ValueError(f"--offset {args.offset}: {args.data} holds only {len(records)} records")
+    end = None if args.limit is None else args.offset + args.limit
+    records = records[args.offset:end]
     # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
     target, _ = load_target(args.target, dtype_name(compute_dtype(args.dtype)), weights="bf16")
-    records = load_records(args.data)[: args.limit]
     if args.layer_ids:
         layers = [int(x) for x in args.layer_ids.split(",")]
     else:
@@ -257,8 +263,9 @@ def cmd_teacher_cache(args) -> int:
 
         tc = getattr(target.config, "text_config", None) or target.config
         layers = default_target_layer_ids(int(tc.num_hidden_layers), 6)
-    out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len)
-    print(json.dumps({"out": str(out), "records": len(records), "layer_ids": layers}))
+    out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len,
+                              first_record=args.offset)
+    print(json.dumps({"out": str(out), "records": len(records), "first_record": args.offset, "layer_ids": layers}))
     return 0
 
 
@@ -361,7 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "draft's; default: 6 spread over the target's depth)")
     tc.add_argument("--topk", type=int, default=16)
     tc.add_argument("--max-len", type=int, default=512)
-    tc.add_argument("--limit", type=int, default=None, help="first N records only")
+    tc.add_argument("--limit", type=int, default=None, help="N records only (the first N, or N from --offset)")
+    tc.add_argument("--offset", type=int, default=0,
+                    help="skip the first N records: cache records appended after an earlier cache in a cache of "
+                         "their own (train --cache A,B reads the union)")
     tc.add_argument("--threads", type=int, default=None)
     tc.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="the prefill's float type (auto: bf16 where the CPU multiplies it natively, else fp32; the "

@@ -37,10 +37,12 @@ ARRAYS = ("tokens", "loss_mask", "offsets", "feats", "greedy", "topk_ids", "topk
 
 def build_teacher_cache(target, records: Sequence[dict], out_dir: str | Path, layer_ids: Sequence[int],
                         topk: int = 16, max_len: int = 512, chunk_records: int = 64,
-                        log_every: int = 1) -> Path:
+                        log_every: int = 1, first_record: int = 0) -> Path:
     """Prefill the target over `records` (dicts with id / input_ids / loss_mask) and write the cache described in
     the module docstring. Re-running with the same arguments resumes; other layer ids / top-k / max_len than the
-    manifest's are refused (the cache would mix two teachers)."""
+    manifest's are refused (the cache would mix two teachers). `first_record` says where `records` starts in the
+    record set it was cut from (records appended after an earlier cache go in a cache of their own, and training
+    reads the union): it is kept in the manifest, so that resuming with another slice is refused."""
     import logging
     import time
 
@@ -49,10 +51,12 @@ def build_teacher_cache(target, records: Sequence[dict], out_dir: str | Path, la
     out.mkdir(parents=True, exist_ok=True)
     man_path = out / MANIFEST
     spec = {"layer_ids": [int(i) for i in layer_ids], "topk": int(topk), "max_len": int(max_len),
-            "hidden_size": int(target.hidden_size), "vocab_size": int(target.vocab_size)}
+            "hidden_size": int(target.hidden_size), "vocab_size": int(target.vocab_size),
+            "first_record": int(first_record)}
     if man_path.exists():
         manifest = json.loads(man_path.read_text())
-        old = {k: manifest.get(k) for k in spec}
+        # caches written before slices existed start at record 0
+        old = {k: manifest.get(k, 0 if k == "first_record" else None) for k in spec}
         if old != spec:
             raise ValueError(f"{man_path} was written with {old}, this run asks for {spec}: use another directory")
     else:
