@@ -80,5 +80,8 @@ def block_forward(draft: DFlashDraftModel, features: torch.Tensor, ctx_len: torc
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """logits [R, V], target_probs [R, V] (rows sum to 1 or 0) -> [R] cross-entropy -sum p log q."""
-    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    """logits [R, V], target_probs [R, V] (rows sum to 1 or 0) -> [R] cross-entropy -sum p log q. Columns the
+    teacher gives no mass add nothing, even where the draft's logit is -inf (a copy gate's candidate column in a row
+    without a candidate), where 0 * log 0 would otherwise make the whole loss NaN."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -torch.where(target_probs > 0, target_probs * logp, torch.zeros_like(logp)).sum(-1)
