@@ -84,4 +84,4 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torc
     teacher gives no mass add nothing, even where the draft's logit is -inf (a copy gate's candidate column in a row
     without a candidate), where 0 * log 0 would otherwise make the whole loss NaN."""
     logp = F.log_softmax(logits.float(), dim=-1)
-    return -torch.where(target_probs > 0, target_probs * logp, torch.zeros_like(logp)).sum(-1)
+    return -torch.where(target_probs > 0, target_probs * logp, 0.0).sum(-1)
