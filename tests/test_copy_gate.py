@@ -205,3 +205,32 @@ def test_gate_saved_beside_the_public_layout(llama_target, tmp_path):
     tiny_draft(llama_target).save_pretrained(tmp_path / "d")
     assert not (tmp_path / "d" / GATE_WEIGHTS_NAME).exists()
     assert not DFlashDraftModel.from_pretrained(tmp_path / "d").config.copy_gate
+
+
+@pytest.mark.parametrize("vocab", [None, "reduced"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_top_tokens_are_the_largest_entries_of_the_dense_distribution(llama_target, vocab, temperature):
+    """`distributions_top` reads each row's k best tokens from the draft's own columns (a reduced vocabulary, the
+    gate's extra column) instead of a topk over the target's vocabulary: the same tokens with the same
+    probabilities as the dense rows' topk, here with candidates inside and outside a reduced vocabulary and rows
+    with fewer than k tokens of mass; and the dense rows are what `distributions` returns."""
+    ids = torch.arange(0, 99, 4) if vocab else None
+    draft = _gated(llama_target, vocab=ids, bonus=3.0)
+    prompt = _repetitive_prompt()
+    sampling = SamplingParams(temperature=temperature, top_k=7 if temperature else 0)
+    prop = DFlashProposer(draft, llama_target, block_size=6)
+    _start(prop, llama_target, prompt)
+    q, (vals, toks) = prop.distributions_top(prompt, 5, sampling, 10)
+    prop = DFlashProposer(draft, llama_target, block_size=6)
+    _start(prop, llama_target, prompt)
+    torch.testing.assert_close(prop.distributions(prompt, 5, sampling), q, rtol=0, atol=0)
+    assert vals.shape == toks.shape == (5, 10)
+    ref_vals, ref_toks = q.topk(10, dim=-1)
+    torch.testing.assert_close(vals, ref_vals, rtol=0, atol=0)
+    # past a row's support the zero-mass entries name arbitrary tokens on both sides (the gate's unused column
+    # even names its row's candidate again): a tree never grows a node from them
+    has_mass = vals > 0
+    assert torch.equal(toks[has_mass], ref_toks[has_mass])
+    assert torch.equal(q.gather(1, toks)[has_mass], vals[has_mass])
+    if temperature:
+        assert not bool(has_mass.all())  # top-k 7 leaves rows with fewer than 10 tokens of mass

@@ -16,7 +16,7 @@ from blockdraft.train.cached import frequent_greedy_tokens
 from blockdraft.train.checkpoint import latest_checkpoint
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.curve import evaluate
-from blockdraft.train.batches import make_batch, valid_anchors, DraftHead
+from blockdraft.train.batches import anchor_weights, make_batch, valid_anchors, DraftHead
 from blockdraft.train.teacher import TeacherCache, build_teacher_cache
 from blockdraft.train.live import TrainModule
 from blockdraft.train.trainer import make_draft, train
@@ -518,3 +518,41 @@ def test_precision_reaches_the_training_step_and_auto_follows_the_cpu(tiny_targe
     for k, v in weights["a"].items():
         torch.testing.assert_close(weights["b"][k], v, atol=0, rtol=0)
     assert any(not torch.equal(weights["c"][k], v) for k, v in weights["a"].items())
+
+
+def test_anchor_weights_follow_the_targets_hesitation(tiny_target, tmp_path):
+    """anchor_weights: a distribution over the anchors, uniform at bias 0, and at bias b each anchor p weighs
+    1 + b * (1 - P(token p)) with P the softmax of the cached top-k logits at p - 1 (a token outside them: P = 0);
+    a run with the bias trains, and the bias is refused where it means nothing."""
+    from blockdraft.train.teacher import TeacherSequence
+
+    g = np.random.default_rng(4)
+    n, k = 12, 4
+    topk_ids = np.stack([g.permutation(30)[:k] for _ in range(n)]).astype(np.int32)
+    topk_logits = np.sort(g.normal(size=(n, k)) * 2, axis=1)[:, ::-1].astype(np.float16)
+    tokens = g.integers(30, 40, size=n).astype(np.int32)  # outside every top-k ...
+    for p, j in [(2, 0), (3, 1), (5, 3), (8, 0), (9, 2)]:
+        tokens[p] = topk_ids[p - 1, j]  # ... except these: the target's j-th choice at p - 1
+    seq = TeacherSequence("s", tokens, np.ones(n, np.uint8), np.zeros((n, 2), np.uint16), tokens, topk_ids,
+                          topk_logits)
+    a = valid_anchors(seq, 512)
+    np.testing.assert_allclose(anchor_weights(seq, a, 0.0), np.full(len(a), 1 / len(a)))
+    want = []
+    for p in a:
+        lg = topk_logits[p - 1].astype(np.float64)
+        e = np.exp(lg - lg.max())
+        hit = [j for j in range(k) if topk_ids[p - 1, j] == tokens[p]]
+        want.append(1 + 3.0 * (1 - (e[hit[0]] / e.sum() if hit else 0.0)))
+    w = anchor_weights(seq, a, 3.0)
+    np.testing.assert_allclose(w, np.array(want) / sum(want), rtol=1e-12)
+    assert w[list(a).index(2)] < w[list(a).index(4)]  # the target's first choice weighs less than a token outside
+
+    build_teacher_cache(tiny_target, _records(6, seed=9), tmp_path / "tc", [1, 3], topk=4)
+    with seeded(0):
+        last = train(_fast_cfg(tmp_path, heldout_cache=str(tmp_path / "tc"), anchors=5, anchor_bias=4.0, steps=2,
+                               eval_every=2), tiny_target)
+    assert last["step"] == 2
+    with pytest.raises(ValueError, match="anchor_bias"):
+        _fast_cfg(tmp_path, anchor_bias=-1.0)
+    with pytest.raises(ValueError, match="anchor_bias"):
+        TrainConfig(data="x.jsonl", anchor_bias=2.0)

@@ -558,3 +558,33 @@ def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, mon
         quant._clear_stale_build_lock(name)
         assert lock.exists() == kept
     quant._clear_stale_build_lock("never_built")  # no lock: nothing to do
+
+
+def test_native_argmax_returns_torch_argmax_indices():
+    """The native row argmax (what greedy verification reads the target's tokens with beside quantized weights) gives
+    torch.argmax's index on every kind of row: ties (the first), NaN (the first NaN), all -inf, +-0, the maximum in
+    the tail past the vector width, rows shorter than a vector, and batched shapes."""
+    from blockdraft.decode.sampling import argmax
+
+    k = quant.quant_kernels()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 101, generator=g)
+    x[0, 5] = x[0, 50] = 100.0
+    x[1, 33] = x[1, 90] = float("nan")
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, 7] = -0.0
+    x[4, 100] = 1e9
+    x[5] = torch.round(x[5] * 2)  # many ties
+    x[6, 3] = float("inf")
+    x[6, 80] = float("inf")
+    x[7, 96] = float("nan")  # a NaN in the scalar tail only
+    cases = [x, torch.randn(3, 7, generator=g), torch.randn(5, 1, generator=g), torch.randn(2, 3, 17, generator=g),
+             torch.randn(19, generator=g), torch.randn(4, 1999, generator=g)[:, ::2]]  # strided: copied first
+    for c in cases:
+        want = c.argmax(-1)
+        assert torch.equal(k.argmax_rows(c), want)
+        assert torch.equal(argmax(c), want)
+    assert torch.equal(argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
+    with pytest.raises(RuntimeError, match="float32"):
+        k.argmax_rows(x.double())

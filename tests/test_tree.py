@@ -385,3 +385,21 @@ def test_rejection_verify_tree_takes_rows_on_demand():
         assert a == b and asked == a[0]
         paths.add(tuple(a[0]))
     assert len(paths) > 1, "the seeds reach more than one path"
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_given_top_entries_build_the_tree_a_topk_over_q_builds(sample):
+    """build_tree with `top` (the caller's own top-k of q, e.g. from a reduced draft vocabulary) builds the same tree
+    as its own topk over q: same tokens, parents and scores, with lookups merged and sampled slots alike."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.zeros(4, 50)
+    for d in range(4):  # sparse rows: mass on 12 random tokens, as a reduced vocabulary leaves them
+        cols = torch.randperm(50, generator=g)[:12]
+        q[d, cols] = torch.rand(12, generator=g)
+    q = q / q.sum(-1, keepdim=True)
+    kw = dict(budget=12, top_k=3, lookups=[[int(q[0].argmax()), 7, 9]], lookup_conf=[0.6], sample=sample)
+    vals, idx = q.topk(3 + 1, dim=-1)
+    ref = build_tree(ROOT, q, generator=torch.Generator().manual_seed(2), **kw)
+    got = build_tree(ROOT, q, generator=torch.Generator().manual_seed(2), top=(vals, idx), **kw)
+    for name in ("tokens", "parents", "depth", "point_mass", "score"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name

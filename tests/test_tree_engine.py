@@ -107,7 +107,8 @@ def test_kv_cache_compact_moves_the_kept_positions():
 
 # ------------------------------------------------------------------------------------------------ the engine
 class FakeDraft:
-    """Stands in for DFlashProposer in a TreeProposer: `distributions` returns whatever `rows(n, g)` says."""
+    """Stands in for DFlashProposer in a TreeProposer: `distributions_top` returns whatever `rows(n, g)` says (and no
+    top entries: the tree takes its own topk of them)."""
 
     layer_ids = ()
 
@@ -120,8 +121,8 @@ class FakeDraft:
     def accept(self, features, num_committed):
         pass
 
-    def distributions(self, tokens, num_draft, sampling):
-        return self.rows(tokens.numel(), min(num_draft, self.block_size - 1))
+    def distributions_top(self, tokens, num_draft, sampling, k):
+        return self.rows(tokens.numel(), min(num_draft, self.block_size - 1)), None
 
 
 def _second_best_oracle(prompt_len: int, truth: list[int]):

@@ -46,7 +46,7 @@ import torch
 
 from ..config import GenerationConfig, SamplingParams
 from .proposers import NoDraft, Proposal, Proposer
-from .sampling import logits_to_probs, make_generator, sample
+from .sampling import argmax, logits_to_probs, make_generator, sample
 from ..models.target import TargetModel
 from .tree import ancestor_mask, check_tree
 from .verify import greedy_verify, rejection_verify
@@ -191,7 +191,7 @@ def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
     """logits [V] -> one token (argmax, or a draw from the processed distribution)."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, sampling), generator)
 
 

@@ -139,7 +139,8 @@ class _Node:
 def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lookups: Sequence[Sequence[int]] = (),
                lookup_conf: Sequence[float | Sequence[float]] = (), max_depth: int | None = None, sample: bool = False,
                choose: Callable[[list[float]], int] | None = None, costs: Sequence[float] | None = None,
-               generator: torch.Generator | None = None, draft_scale: Sequence[float] | None = None) -> Tree:
+               generator: torch.Generator | None = None, draft_scale: Sequence[float] | None = None,
+               top: tuple[torch.Tensor, torch.Tensor] | None = None) -> Tree:
     """Build a candidate tree by best-first expansion.
 
     root: the last committed token. q: [D, V] the draft's distribution at depths 1..D (None: no draft, lookup only).
@@ -158,6 +159,8 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     that rule on the fully expanded list.
     draft_scale[d - 1]: a factor on the draft's probabilities at depth d when they are used as scores (min(1, p * f)),
     e.g. the measured acceptance over the predicted one; it changes which nodes are kept, never q itself.
+    top: q's largest entries per depth, (probs [D, k'], ids [D, k']) in descending order with k' >= top_k +
+    len(lookups) or every token q gives mass, when the caller has them cheaper than a topk over q's vocabulary.
     The children of a node are different tokens, so their scores (conditional on the node) are capped to sum to at
     most 1, the most likely first.
     Returns the tree in breadth-first order (see the module docstring).
@@ -178,7 +181,10 @@ def build_tree(root: int, q: torch.Tensor | None, *, budget: int, top_k: int, lo
     best_t: list[list[int]] = []
     support: list[int] = []  # tokens with q > 0 per depth: a sampled slot can only be filled while some are left
     if q is not None and k_need > 0:
-        vals, idx = q[:deepest].float().topk(k_need, dim=-1)
+        if top is not None:
+            vals, idx = top[0][:deepest, :k_need].float(), top[1][:deepest, :k_need]
+        else:
+            vals, idx = q[:deepest].float().topk(k_need, dim=-1)
         best_p, best_t = vals.tolist(), idx.tolist()
         if sample:
             support = (q[:deepest] > 0).sum(-1).tolist()

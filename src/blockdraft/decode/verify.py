@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import argmax
+
 
 def _check(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
     assert draft_tokens.dim() == 2, f"draft_tokens must be [B, G], got {tuple(draft_tokens.shape)}"
@@ -33,7 +35,7 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     Returns (tokens [B, G+1], num_accepted [B]); row b commits tokens[b, :num_accepted[b] + 1].
     """
     _check(draft_tokens, target_logits)
-    posterior = target_logits.argmax(dim=-1)  # [B, G+1]
+    posterior = argmax(target_logits)  # [B, G+1]
     matches = draft_tokens == posterior[:, :-1]
     num_accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
     # Accepted drafts equal the target's argmax, so the committed tokens are simply the argmax row.

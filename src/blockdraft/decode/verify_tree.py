@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .sampling import argmax
 from .tree import Tree
 
 
@@ -45,7 +46,7 @@ def greedy_verify_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[list[in
     path = [0]
     while True:
         # argmax of the visited rows only: with 64 nodes and a 49k vocabulary, all rows would cost milliseconds
-        want = int(target_logits[path[-1]].argmax())
+        want = int(argmax(target_logits[path[-1]]))
         nxt = next((c for c in kids[path[-1]] if tokens[c] == want), None)
         if nxt is None:
             return path, [tokens[i] for i in path[1:]] + [want]

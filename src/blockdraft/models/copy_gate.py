@@ -78,9 +78,11 @@ def gated_logits(logits: torch.Tensor, hidden: torch.Tensor, gate: CopyGate, can
 
 
 def gated_ids(choice: torch.Tensor, cand: torch.Tensor, vocab_ids: torch.Tensor | None, vd: int) -> torch.Tensor:
-    """choice [...] indices into gated_logits' columns, cand [...] the candidates -> target ids."""
+    """choice [R, ...] indices into gated_logits' columns (one or several per row), cand [R] the rows' candidates
+    -> target ids [R, ...]."""
     base = choice.clamp_max(vd - 1)
     ids = vocab_ids[base] if vocab_ids is not None else base
+    cand = cand.view(cand.shape + (1,) * (choice.dim() - cand.dim()))
     return torch.where(choice == vd, cand, ids)
 
 

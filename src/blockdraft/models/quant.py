@@ -312,6 +312,12 @@ def quant_kernels():
     return _load_kernels()
 
 
+def loaded_kernels():
+    """The compiled kernel module if something has loaded it already, else None (never builds: for helpers that
+    only pay off beside a quantized model, which loads them)."""
+    return _kernels
+
+
 def kernel_isa(build: bool = False) -> str | None:
     """The instruction set the quantized products run on ('avx512-vnni' or 'avx2'; both give the same bits), or
     None when the kernels are not loaded (build=True loads them first, compiling them if needed)."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..models.copy_gate import LookupTables
 from ..models.draft import DFlashDraftModel
-from .batches import Batch, DraftHead, fused_inputs, make_batch, valid_anchors
+from .batches import Batch, DraftHead, anchor_weights, fused_inputs, make_batch, valid_anchors
 from .blockattn import block_forward, soft_cross_entropy
 from .blocks import default_gamma, loss_weights
 from .config import TrainConfig
@@ -158,7 +158,8 @@ class CachedObjective:
         for q in seqs:
             a = valid_anchors(q, cfg.max_len)
             if cfg.anchors and len(a) > cfg.anchors:
-                a = np.sort(rng.choice(a, size=cfg.anchors, replace=False))
+                w = anchor_weights(q, a, cfg.anchor_bias) if cfg.anchor_bias else None
+                a = np.sort(rng.choice(a, size=cfg.anchors, replace=False, p=w))
             anchor_lists.append(a)
         batch = make_batch(seqs, anchor_lists, cfg.train_block, self.draft.mask_token_id,
                            [self.seq_cols[i] for i in picks], cfg.max_len, with_topk=cfg.kd_weight > 0,

@@ -10,6 +10,7 @@ The loop around them (schedule, signals, checkpoints, resume, DDP) is the same (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -48,6 +49,10 @@ class TrainConfig:
     train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
     #                        step into the first positions, which decide acceptance most (cache source)
     anchors: int = 0  # anchors per sequence; 0 = every valid response position
+    anchor_bias: float = 0.0  # cache source, with `anchors`: draw anchor p with weight 1 + anchor_bias * (1 - the
+    #                           target's probability of token p), so that tokens the target hesitated over start
+    #                           more blocks; decoding starts every block after a token the draft missed, and those
+    #                           are mostly such tokens (`batches.anchor_weights`)
     seqs_per_step: int = 4  # sequences per optimizer step (over all processes under torchrun)
     bucket: bool = True  # cache source: a step's sequences are neighbours in (anchors, length) order, so that
     #                      padding (anchor slots and context rows a shorter sequence leaves empty) nearly vanishes
@@ -128,6 +133,8 @@ class TrainConfig:
             raise ValueError(f"decode_block must be 0 or in 2..block_size ({self.block_size}), got {self.decode_block}")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError("kd_weight must be in [0, 1]")
+        if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):
+            raise ValueError(f"anchor_bias must be a finite number >= 0, got {self.anchor_bias}")
         if self.seqs_per_step < 1 or self.steps < 1:
             raise ValueError("seqs_per_step and steps must be >= 1")
         if self.method not in ("dflash", "eagle"):
@@ -140,7 +147,7 @@ class TrainConfig:
                 what = live_only or [f"method {self.method}"]
                 raise ValueError(f"{', '.join(what)}: trains from records (data=...), not from a teacher cache")
         else:
-            cache_only = [n for n in ("copy_gate", "next_token_feature") if getattr(self, n)]
+            cache_only = [n for n in ("copy_gate", "next_token_feature", "anchor_bias") if getattr(self, n)]
             if cache_only or self.kd_weight:
                 raise ValueError(f"{', '.join(cache_only or ['kd_weight'])}: trains from a teacher cache (cache=...)")
             if self.train_block != self.block_size:

@@ -139,7 +139,7 @@ class TreeProposer(TreeProposerBase):
         conf = [self._lookup_conf(n, len(c)) for c, n in found]
         budget = self.budget if self.budget is not None else self.max_budget
         root = int(tokens[-1])
-        q = None
+        q, top = None, None
         d_draft = min(max_depth, self.draft_depth)
         if d_draft > 0 and self._lookups and self.budget is None and self._gain is not None:
             if self._skip_run < EXPLORE_EVERY and not self._draft_pays(root, budget, conf, max_depth):
@@ -159,14 +159,14 @@ class TreeProposer(TreeProposerBase):
                               costs=self._costs(0.0, budget, chain=True))
         if d_draft > 0:
             t0 = time.perf_counter()
-            q = self.draft.distributions(tokens, d_draft, sampling)  # [D, V]
+            q, top = self.draft.distributions_top(tokens, d_draft, sampling, self.top_k + len(self._lookups))
             dt = time.perf_counter() - t0
             self._draft_s = dt if self._draft_s is None else 0.8 * self._draft_s + 0.2 * dt
         self._q, self._greedy = q, sampling.greedy
         tree = build_tree(root, q, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
                           max_depth=max_depth, sample=not sampling.greedy, generator=generator,
                           costs=None if self.budget is not None else self._costs(self._draft_s or 0.0, budget),
-                          draft_scale=self.draft_scale() if sampling.greedy else None)
+                          draft_scale=self.draft_scale() if sampling.greedy else None, top=top)
         if q is not None and self._lookups:
             drafted = ~tree.point_mass[1:]
             g, n = float(tree.score[1:][drafted].sum()), float(drafted.sum())

