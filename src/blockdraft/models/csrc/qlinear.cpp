@@ -54,7 +54,7 @@ int64_t row_argmax(const float* x, int64_t n) {
   }
   for (; j < n; ++j)
     if (x[j] == m) return j;
-  return 0;  // every entry is -inf: torch returns the first
+  return 0;  // not reached: m is one of the entries (an all -inf row returns 0 in the loop above)
 }
 
 // x [..., V] float32 -> int64 [...]: row_argmax of every row, rows spread over the threads
