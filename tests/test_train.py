@@ -174,3 +174,78 @@ def test_target_labels_are_the_targets_greedy_tokens(tiny, tmp_path):
     assert loss(noise, True) != pytest.approx(loss(noise, False), rel=1e-3)
     with pytest.raises(ValueError, match="online features"):
         sample_loss(module, tiny, greedy, lambda r: feats(r), _cfg(tmp_path, target_labels=True), draft.config, 0)
+
+
+def _with_prompt_len(rec: dict, n_prompt: int) -> dict:
+    return dict(rec, loss_mask=[0] * n_prompt + [1] * (len(rec["input_ids"]) - n_prompt))
+
+
+def test_batched_loss_is_the_row_weighted_mean_of_the_solo_losses(tiny, tmp_path):
+    """One batched forward over sequences of different lengths and anchor counts gives each sequence the hidden
+    states its solo forward gives (right padding and empty anchor slots change nothing), so its loss is the
+    decay-weighted mean over all labelled rows: sum_i loss_i * W_i / sum_i W_i with W_i sequence i's weight sum.
+    fp32; the tolerance covers summation order only."""
+    from blockdraft.train.blocks import build_blocks, default_gamma, loss_weights, sample_anchors
+    from blockdraft.train.live import batch_loss
+
+    recs = [regenerated(tiny, 1, seed=20 + i, new_tokens=n)[0] for i, n in enumerate((30, 17, 41))]
+    recs[1] = _with_prompt_len(recs[1], 12)  # a longer prompt: fewer valid anchors than the others
+    cfg = _cfg(tmp_path, anchors=9, batched=True)
+    draft = make_draft(cfg, tiny)
+    feats = OnlineFeatures(tiny, draft.config.target_layer_ids)
+    module = TrainModule(draft)
+    indices = [5, 11, 2]
+    solo = [sample_loss(module, tiny, r, feats, cfg, draft.config, i) for r, i in zip(recs, indices)]
+    weights = []
+    for r, i in zip(recs, indices):
+        lm = torch.tensor(r["loss_mask"])
+        a = sample_anchors(lm, cfg.anchors, 8, torch.Generator().manual_seed(cfg.seed * 1_000_003 + i))
+        bb = build_blocks(torch.tensor(r["input_ids"]), lm, a, 8, MASK_ID)
+        w = loss_weights(bb.offsets, default_gamma(8))
+        weights.append(float(w[bb.labels != -100].sum()))
+    both = batch_loss(module, tiny, recs, feats, cfg, draft.config, indices)
+    want = sum(float(s.loss.detach()) * w for s, w in zip(solo, weights)) / sum(weights)
+    assert float(both.loss.detach()) == pytest.approx(want, rel=1e-5)
+    assert torch.equal(both.counted, sum(s.counted for s in solo))
+    assert torch.equal(both.correct, sum(s.correct for s in solo))
+    both.loss.backward()  # the batched graph reaches the draft's weights
+    assert all(p.grad is not None for p in draft.layers[0].parameters())
+
+
+def test_batched_training_steps_see_the_records_the_sequential_steps_see(tiny, tmp_path):
+    """`batched` changes how a step's sequences are computed, not which: two steps of each give the same
+    per-position row counts (same records, same anchors)."""
+    recs = regenerated(tiny, 6, seed=30, new_tokens=24)
+    runs = {}
+    for batched in (False, True):
+        cfg = _cfg(tmp_path / str(batched), batched=batched, steps=2, seqs_per_step=3)
+        draft = make_draft(cfg, tiny)
+        obj = __import__("blockdraft.train.live", fromlist=["LiveObjective"]).LiveObjective(
+            cfg, tiny, draft, recs, None, torch.float32)
+        state = {"samples_seen": 0}
+        runs[batched] = [obj.step(state, 0, 1)[2] for _ in range(2)]
+    for a, b in zip(runs[False], runs[True]):
+        assert torch.equal(a, b)
+
+
+def test_hf_regeneration_answers_equal_unpadded_greedy_generation(tiny):
+    """Left-padded batches of prompts of different lengths give each prompt the answer it gets alone; an answer
+    stops after its end-of-turn token. fp32 tiny model; no tie within rounding on these seeds."""
+    from blockdraft.train.regen_hf import cut_answer, generate_batched
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 9, 7, 12, 6)]
+    eos = [int(tiny.hf.config.eos_token_id)]
+    got: dict[int, list[int]] = {}
+    stats = generate_batched(tiny.hf, prompts, eos_ids=eos, pad_id=0, max_new_tokens=10, batch_size=3,
+                             on_batch=lambda idx, ans: got.update(zip(idx, ans)))
+    assert sorted(got) == list(range(5)) and stats.answered == 5 and stats.batches == 2
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        solo = tiny.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                eos_token_id=eos, pad_token_id=0)[0, len(p):].tolist()
+        assert got[i] == cut_answer(solo, eos)
+    assert cut_answer([4, 7, 9, 7, 0], [9]) == [4, 7, 9]
+    assert cut_answer([4, 7], [9]) == [4, 7]
+    assert generate_batched(tiny.hf, prompts, eos_ids=eos, pad_id=0, max_new_tokens=4, batch_size=2,
+                            deadline=0.0).answered == 0

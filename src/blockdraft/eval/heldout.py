@@ -9,6 +9,8 @@ Prompt sets (`--set`):
   benchmark draws from), instantiated with another seed, any question equal to a benchmark item removed. Held-out
   regenerated math shares its templates with training, so it cannot show how a draft does on unseen problem
   wording; this set can, without touching the benchmark's items.
+- `user-math`, `user-code`, `user-chat`: the prompts written the way users write them (`eval/tasks/realistic.py`),
+  never trained on and sharing no template with training: how a draft generalises.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 PACKAGED_HELDOUT = (Path("data/work/regen-smollm2/shards-heldout"), Path("data/smollm2-regen/heldout.npz"))
 # the model, decode and training code are imported inside the functions: the CLI imports this module only to
 # register the subcommand
+USER_SETS = ("user-math", "user-code", "user-chat")
+SETS = ("regen", "gsm-unseen") + USER_SETS
 GSM_UNSEEN_SEED = 7  # reasoning-gym seed of the gsm-unseen set: not the benchmark's (0), not training's
 
 
@@ -45,8 +49,13 @@ def heldout_prompts(tokenizer, prompt_set: str, n: int, heldout: str | None) -> 
 
     if prompt_set == "gsm-unseen":
         return gsm_unseen_prompts(tokenizer, n)
+    if prompt_set in USER_SETS:
+        from ..train.data import chat_token_ids
+        from .tasks import load_task
+
+        return [chat_token_ids(tokenizer, p.messages) for p in load_task(prompt_set)[:n]]
     if prompt_set != "regen":
-        raise ValueError(f"prompt set must be regen or gsm-unseen, got {prompt_set!r}")
+        raise ValueError(f"prompt set must be one of {SETS}, got {prompt_set!r}")
     if heldout is None:
         found = [p for p in PACKAGED_HELDOUT if p.exists()]
         if not found:
@@ -55,26 +64,35 @@ def heldout_prompts(tokenizer, prompt_set: str, n: int, heldout: str | None) -> 
     return [prompt_of(r) for r in load_records(heldout)[:n]]
 
 
-def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-    """For each (name, draft directory): greedy decode every prompt -> {tau, position-1 acceptance, ...}."""
+def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]], max_new_tokens: int,
+                block_size: int | None = None) -> list[dict]:
+    """For each (name, draft directory): greedy decode every prompt at fixed width `block_size` (default: the
+    draft's recommended decode block) -> {tau, position-1 acceptance, acceptance per draft position, ...}."""
     from ..config import GenerationConfig
     from ..loading import build_engine
 
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     rows = []
     for name, path in drafts:
-        eng = build_engine(target, Path(path))
+        eng = build_engine(target, Path(path), block_size=block_size)
         steps = committed = 0
-        first = [0, 0]  # accepted / verified at draft position 1
+        acc: list[int] = []  # accepted / verified per draft position
+        tri: list[int] = []
         for p in prompts:
             s = eng.generate(p, cfg).stats
             steps += len(s.accept_lengths)
             committed += sum(s.accept_lengths)
-            if s.position_trials:
-                first[0] += s.position_accepted[0]
-                first[1] += s.position_trials[0]
+            for k, (a, t) in enumerate(zip(s.position_accepted, s.position_trials)):
+                if k == len(acc):
+                    acc.append(0)
+                    tri.append(0)
+                acc[k] += a
+                tri[k] += t
+        profile = [round(a / t, 4) if t else None for a, t in zip(acc, tri)]
         rows.append({"draft": name, "path": path, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                     "tau": committed / max(1, steps), "position1_acceptance": first[0] / max(1, first[1])})
+                     "block_size": block_size, "tau": committed / max(1, steps),
+                     "position1_acceptance": acc[0] / max(1, tri[0]) if tri else 0.0,
+                     "position_acceptance": profile})
     return rows
 
 
@@ -93,7 +111,7 @@ def cmd_heldout_tau(args) -> int:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, "bf16", weights=args.weights)
     prompts = heldout_prompts(target.tokenizer, args.set, args.prompts, args.heldout)
-    rows = heldout_tau(target, drafts, prompts, args.max_new_tokens)
+    rows = heldout_tau(target, drafts, prompts, args.max_new_tokens, args.block_size)
     for r in rows:
         r.update(target=args.target, set=args.set, weights=args.weights)
         print(json.dumps(r), flush=True)
@@ -109,7 +127,9 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", action="append", required=True, metavar="NAME=DIR", help="repeatable")
     p.add_argument("--target", default=None, help="the drafts' target (a path, a hub id or an alias)")
-    p.add_argument("--set", default="regen", choices=("regen", "gsm-unseen"), help="prompt set (see above)")
+    p.add_argument("--set", default="regen", choices=SETS, help="prompt set (see above)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decode block (fixed width; default: each draft's recommended decode block)")
     p.add_argument("--heldout", default=None, help="held-out records for --set regen")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -94,19 +94,29 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: in
 
 def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, device: str | torch.device = "cpu"):
     """The same visibility as `block_attention_mask`, as a flex-attention BlockMask: only the visible tiles are
-    computed, which is what makes hundreds of anchors per sequence affordable on GPUs."""
+    computed, which is what makes hundreds of anchors per sequence affordable on GPUs. anchors [N] (one sequence)
+    or [S, N] (a batch: sequence s's block j sees its context rows < anchors[s, j])."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     anchors = anchors.to(device)
-    rows = anchors.numel() * block_size
+    rows = anchors.shape[-1] * block_size
 
-    def visible(b, h, q, kv):
+    if anchors.dim() == 1:
+        def visible(b, h, q, kv):
+            blk = q // block_size
+            in_ctx = (kv < context_len) & (kv < anchors[blk])
+            in_own_block = (kv >= context_len) & ((kv - context_len) // block_size == blk)
+            return in_ctx | in_own_block
+
+        return create_block_mask(visible, None, None, rows, context_len + rows, device=device)
+
+    def visible_batched(b, h, q, kv):
         blk = q // block_size
-        in_ctx = (kv < context_len) & (kv < anchors[blk])
+        in_ctx = (kv < context_len) & (kv < anchors[b, blk])
         in_own_block = (kv >= context_len) & ((kv - context_len) // block_size == blk)
         return in_ctx | in_own_block
 
-    return create_block_mask(visible, None, None, rows, context_len + rows, device=device)
+    return create_block_mask(visible_batched, anchors.shape[0], None, rows, context_len + rows, device=device)
 
 
 def loss_weights(offsets: torch.Tensor, gamma: float | None) -> torch.Tensor:

@@ -67,6 +67,9 @@ class TrainConfig:
     target_labels: bool = False  # live source: label every row with the target's greedy token (teacher-forced)
     uniform_blocks: bool = False  # live source ablation: consecutive blocks instead of random anchors
     no_target_features: bool = False  # live source ablation: no conditioning on the target
+    batched: bool = False  # live source: a step's sequences go through the target and the draft in one batched
+    #                        forward (`live.batch_loss`; the GPU path) instead of one after another
+    device: str = "cpu"  # where the target and the draft run ("cpu", "cuda", "cuda:1", ...)
     attention: str = "auto"  # live source: "sdpa" (dense bool mask), "flex" (BlockMask), "auto" = flex on CUDA
     loss_chunk_rows: int = 512  # live source: rows per LM-head chunk of the loss
     ttt_steps: int = 3  # eagle: unrolled training-time-test steps after step 0 (EAGLE-3 uses 6; CPU budget: 3)

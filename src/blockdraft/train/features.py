@@ -30,6 +30,11 @@ class OnlineFeatures:
         ids = torch.tensor(record["input_ids"], dtype=torch.long, device=self.target.device).unsqueeze(0)
         return self.target(ids, None, last_only=True, tap=True).features
 
+    def batch(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S, L] right-padded sequences -> features [S, L, K*H] (rows past a sequence's end are padding: the
+        target is causal, so they never change a real position's features)."""
+        return self.target.hidden(ids.to(self.target.device), None, tap=True)[1]
+
     def with_greedy(self, record: dict, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (features [1, L, K*H], greedy [L]): greedy[t] is the target's argmax next token after position t,
         from the same forward (one extra [L, V] LM-head product)."""

@@ -40,14 +40,19 @@ class TrainModule(nn.Module):
         self.draft = draft
 
     def forward(self, features: torch.Tensor | None, block_embeds: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, keep_batch: bool = False) -> torch.Tensor:
+        """keep_batch: features [S, L, K*H], block_embeds [S, R, H], positions [S, R], mask [S, 1, R, L + R] (or a
+        BlockMask over S) -> hidden [S, R, H] (a batch of sequences, `batch_loss`)."""
         cfg = self.draft.config
+        b = block_embeds.shape[0]
         if features is None:
-            shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 0, cfg.head_dim)
+            shape = (cfg.num_hidden_layers, b, cfg.num_key_value_heads, 0, cfg.head_dim)
             ks = vs = block_embeds.new_zeros(shape)
         else:
-            ks, vs = self.draft.context_kv(features, torch.arange(features.shape[1]).unsqueeze(0))
-        return self.draft(block_embeds, positions, ks, vs, mask)[0]
+            ctx_pos = torch.arange(features.shape[1], device=features.device).unsqueeze(0).expand(b, -1)
+            ks, vs = self.draft.context_kv(features, ctx_pos)
+        hidden = self.draft(block_embeds, positions, ks, vs, mask)
+        return hidden if keep_batch else hidden[0]
 
 
 def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg: TrainConfig,
@@ -80,18 +85,82 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
     else:
         mask = block_attention_mask(anchors, draft_cfg.block_size, ctx_len)[None, None].to(target.device)
     with torch.no_grad():
-        embeds = target.embed(bb.block_ids.unsqueeze(0))
-    head, labels = target.lm_head.weight, bb.labels
+        embeds = target.embed(bb.block_ids.unsqueeze(0).to(target.device))
+    dev = target.device
+    head, labels, offsets = target.lm_head.weight, bb.labels.to(dev), bb.offsets.to(dev)
     if vocab_map is not None:
         # reduced draft vocabulary: logits over its rows only; labels outside it cannot be proposed and are ignored
-        head = head[vocab_ids]
-        labels = torch.where(labels >= 0, vocab_map[labels.clamp_min(0)], labels)
-    with autocast(dtype, target.device.type):
-        hidden = module(feats, embeds, bb.positions.unsqueeze(0), mask)
+        head = head[vocab_ids.to(dev)]
+        labels = torch.where(labels >= 0, vocab_map.to(dev)[labels.clamp_min(0)], labels)
+    with autocast(dtype, dev.type):
+        hidden = module(feats, embeds, bb.positions.unsqueeze(0).to(dev), mask)
         gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(draft_cfg.block_size))
-        return block_loss(hidden, labels, bb.offsets, loss_weights(bb.offsets, gamma),
-                          head, draft_cfg.block_size, cfg.loss_chunk_rows,
-                          softcap=getattr(target, "_softcap", None))
+        out = block_loss(hidden, labels, offsets, loss_weights(offsets, gamma),
+                         head, draft_cfg.block_size, cfg.loss_chunk_rows,
+                         softcap=getattr(target, "_softcap", None))
+    out.correct, out.counted = out.correct.cpu(), out.counted.cpu()
+    return out
+
+
+def batch_loss(module: nn.Module, target: TargetModel, records: list[dict], features_fn, cfg: TrainConfig,
+               draft_cfg: DFlashConfig, sample_indices: list[int], vocab_ids: torch.Tensor | None = None,
+               vocab_map: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+    """Loss of several training sequences in one forward of the target and one of the draft: what keeps a GPU busy
+    (one sequence per forward leaves it idle between kernel launches). Each sequence draws the anchors
+    `sample_loss` would draw for its sample index; sequences are right-padded (the target is causal, so padding
+    never reaches a real position), and anchor slots a sequence leaves empty hold blocks without labels that see
+    nothing but themselves. The loss is the decay-weighted mean over every labelled row of the batch (`sample_loss`
+    weighs each sequence's rows alone). Returns None if no sequence has an anchor."""
+    bs, mask_id, dev = draft_cfg.block_size, draft_cfg.mask_token_id, target.device
+    rows = []
+    for rec, index in zip(records, sample_indices):
+        ids = torch.tensor(rec["input_ids"][: cfg.max_len], dtype=torch.long)
+        lm = torch.tensor(rec["loss_mask"][: cfg.max_len], dtype=torch.long)
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+        anchors = sample_anchors(lm, cfg.anchors or lm.numel(), bs, g, uniform=cfg.uniform_blocks)
+        if anchors.numel():
+            rows.append((ids, build_blocks(ids, lm, anchors, bs, mask_id)))
+    if not rows:
+        return None
+    s_n = len(rows)
+    ctx_len = max(ids.numel() for ids, _ in rows)
+    n_max = max(bb.num_blocks for _, bb in rows)
+    r_max = n_max * bs
+    ids_pad = torch.zeros(s_n, ctx_len, dtype=torch.long)
+    block_ids = torch.full((s_n, r_max), mask_id, dtype=torch.long)
+    positions = torch.zeros(s_n, r_max, dtype=torch.long)
+    labels = torch.full((s_n, r_max), IGNORE, dtype=torch.long)
+    offsets = torch.arange(bs).repeat(n_max).unsqueeze(0).repeat(s_n, 1)
+    anchors = torch.zeros(s_n, n_max, dtype=torch.long)  # an empty slot's anchor 0: it sees no context row
+    for i, (ids, bb) in enumerate(rows):
+        r = bb.block_ids.numel()
+        ids_pad[i, : ids.numel()] = ids
+        block_ids[i, :r], positions[i, :r], labels[i, :r] = bb.block_ids, bb.positions, bb.labels
+        anchors[i, : bb.num_blocks] = bb.anchors
+    feats = None
+    if not cfg.no_target_features:
+        feats = features_fn.batch(ids_pad.to(dev))
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and dev.type == "cuda")
+    if use_flex:
+        mask = flex_block_mask(anchors, bs, ctx_len if feats is not None else 0, dev)
+    else:
+        mask = torch.stack([block_attention_mask(a, bs, ctx_len if feats is not None else 0) for a in anchors])
+        mask = mask[:, None].to(dev)
+    with torch.no_grad():
+        embeds = target.embed(block_ids.to(dev))
+    head, labels = target.lm_head.weight, labels.reshape(-1).to(dev)
+    if vocab_map is not None:
+        head = head[vocab_ids.to(dev)]
+        labels = torch.where(labels >= 0, vocab_map.to(dev)[labels.clamp_min(0)], labels)
+    with autocast(dtype, dev.type):
+        hidden = module(feats, embeds, positions.to(dev), mask, keep_batch=True)
+        gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(bs))
+        flat_offsets = offsets.reshape(-1).to(dev)
+        out = block_loss(hidden.reshape(-1, hidden.shape[-1]), labels, flat_offsets,
+                         loss_weights(flat_offsets, gamma), head, bs, cfg.loss_chunk_rows,
+                         softcap=getattr(target, "_softcap", None))
+    out.correct, out.counted = out.correct.cpu(), out.counted.cpu()
+    return out
 
 
 def frequent_tokens(records: list[dict], n: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -151,9 +220,11 @@ class LiveObjective:
         self.vocab_ids = None if self.eagle else draft.vocab_ids
         self.vocab_map = None
         if self.vocab_ids is not None:
-            self.vocab_map = torch.full((target.vocab_size,), IGNORE, dtype=torch.long)
-            self.vocab_map[self.vocab_ids] = torch.arange(self.vocab_ids.numel())
+            dev = self.vocab_ids.device
+            self.vocab_map = torch.full((target.vocab_size,), IGNORE, dtype=torch.long, device=dev)
+            self.vocab_map[self.vocab_ids] = torch.arange(self.vocab_ids.numel(), device=dev)
         self.prompts = [prompt_of(r) for r in (heldout or [])[: cfg.eval_prompts]]
+        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's record order (batched steps)
 
     def param_groups(self) -> list[dict]:
         return [{"params": [p for p in self.draft.parameters() if p.requires_grad], "role": "draft"}]
@@ -164,6 +235,8 @@ class LiveObjective:
         total, n_ok = 0.0, 0
         correct = torch.zeros(self.acc_width, dtype=torch.long)
         counted = torch.zeros(self.acc_width, dtype=torch.long)
+        if cfg.batched and not self.eagle:
+            return self._batched_step(state, rank, world)
         for micro in range(cfg.seqs_per_step):
             index = state["samples_seen"] + micro * world + rank
             epoch, pos = divmod(index, n)
@@ -183,6 +256,26 @@ class LiveObjective:
             counted += res.counted
         state["samples_seen"] += cfg.seqs_per_step * world
         return total / max(1, n_ok), correct, counted, int(counted.sum())
+
+    def _batched_step(self, state: dict, rank: int, world: int):
+        """`step` with the step's sequences in one batched forward (`batch_loss`); the same records and anchors."""
+        cfg, n = self.cfg, len(self.records)
+        recs, indices = [], []
+        for micro in range(cfg.seqs_per_step):
+            index = state["samples_seen"] + micro * world + rank
+            epoch, pos = divmod(index, n)
+            if epoch not in self._perms:
+                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))}
+            recs.append(self.records[int(self._perms[epoch][pos])])
+            indices.append(index)
+        state["samples_seen"] += cfg.seqs_per_step * world
+        res = batch_loss(self.module, self.target, recs, self.features, cfg, self.draft.config, indices,
+                         self.vocab_ids, self.vocab_map, self.dtype)
+        if res is None:
+            zeros = torch.zeros(self.acc_width, dtype=torch.long)
+            return 0.0, zeros, zeros.clone(), 0
+        res.loss.backward()
+        return float(res.loss.detach()), res.correct, res.counted, int(res.counted.sum())
 
     def evaluate(self) -> dict:
         if not self.prompts:

@@ -53,6 +53,6 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor
         preds.append(pred)
     pred = torch.cat(preds) if preds else labels
     hit = (pred == labels) & valid
-    correct = torch.zeros(block_size, dtype=torch.long).index_add_(0, offsets, hit.long())
-    counted = torch.zeros(block_size, dtype=torch.long).index_add_(0, offsets, valid.long())
+    correct = torch.zeros(block_size, dtype=torch.long, device=offsets.device).index_add_(0, offsets, hit.long())
+    counted = torch.zeros(block_size, dtype=torch.long, device=offsets.device).index_add_(0, offsets, valid.long())
     return LossOutput(loss=total / norm, correct=correct, counted=counted)

@@ -186,7 +186,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
         if not cfg.target:
             raise ValueError("no target model: pass --target (a path, a hub id or an alias)")
         # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
-        target, _ = load_target(cfg.target, dtype_name(compute_dtype(cfg.precision)), weights="bf16")
+        device_type = torch.device(cfg.device).type
+        target, _ = load_target(cfg.target, dtype_name(compute_dtype(cfg.precision, device_type)), device=cfg.device,
+                                weights="bf16")
     target.requires_grad_(False)
     dtype = compute_dtype(cfg.precision, target.device.type)
     log.info("computing in %s (precision %s)", dtype_name(dtype), cfg.precision)
@@ -205,6 +207,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
             heldout = load_records(cfg.heldout)
         draft = make_draft(cfg, target, lambda n: frequent_tokens(records, n, target.vocab_size,
                                                                   target.eos_token_ids))
+        draft = draft.to(target.device)
         objective = LiveObjective(cfg, target, draft, records, heldout, dtype)
     draft.config.extra.update({"trained_with": "blockdraft", "no_target_features": cfg.no_target_features})
     if cfg.decode_block:

@@ -10,13 +10,17 @@ import random
 from pathlib import Path
 from typing import Callable
 
-from . import chat, code, math
+from . import chat, code, math, realistic
 from .base import Prompt, read_prompts_jsonl
 
 TASKS: dict[str, Callable[[], tuple[Prompt, ...]]] = {
     "math": math.load_all,
     "code": code.load_all,
     "chat": chat.load_all,
+    # prompts as users write them (no template shared with training): generalisation, reported apart
+    "user-math": realistic.loader("math"),
+    "user-code": realistic.loader("code"),
+    "user-chat": realistic.loader("chat"),
 }
 
 

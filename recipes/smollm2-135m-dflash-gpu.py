@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""One GPU round for the default target (SmolLM2-135M-Instruct): regenerate answers for the wide prompt set, then
+train a fresh DFlash draft on them plus the packaged answers, then decode a few held-out prompts with the engine on
+the GPU as a check. Every stage has a time budget, so the round fits a fixed lease; what it writes goes to --out:
+
+    regen-heldout.npz, regen-train-{0,1,2}.npz   the new answers (packed records, `records.load_packed`)
+    draft/ (config.json, model.safetensors; --split-draft writes model-{a,b}.safetensors instead)
+    log.txt                                      progress, the training log and a summary as the last line
+
+The prompts come tokenized (`--prompts`, written on a CPU by `blockdraft data --wide --tokenize-only`, see the
+data card in data/smollm2-wide/); the target is its GGUF file (`--gguf`). `--smoke` runs every stage on a tiny
+random model instead, for a check of the code path on a new machine.
+
+    python recipes/smollm2-135m-dflash-gpu.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompts prompts-train.npz \
+        --heldout-prompts prompts-heldout.npz --existing 'data/smollm2-regen/train-*.npz' --out out \
+        --gen-seconds 240 --train-minutes 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+T0 = time.time()
+LOG: Path | None = None
+
+
+def say(*parts) -> None:
+    line = f"[{time.time() - T0:7.1f}s] " + " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    if LOG is not None:
+        with open(LOG, "a") as f:
+            f.write(line + "\n")
+
+
+def load_prompt_file(path: str) -> tuple[list[str], list[list[int]]]:
+    z = np.load(path)
+    tok, off = z["tokens"].astype(np.int64), z["offsets"]
+    return [str(i) for i in z["ids"]], [tok[off[k]:off[k + 1]].tolist() for k in range(len(off) - 1)]
+
+
+def pack_split(records: list[dict], stem: Path, parts: int) -> list[str]:
+    from blockdraft.train.records import pack_uint16
+
+    names = []
+    for k in range(parts):
+        chunk = records[k::parts]
+        if chunk:
+            p = stem.with_name(f"{stem.name}-{k}.npz")
+            pack_uint16(chunk, p)
+            names.append(p.name)
+    return names
+
+
+def tiny_target(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from blockdraft.models.target import TargetModel
+
+    cfg = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.05, eos_token_id=299, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).to(torch.bfloat16).to(device).eval().requires_grad_(False)
+    return TargetModel(hf, lean=False)
+
+
+def main() -> int:
+    global LOG
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("--heldout-prompts", default=None)
+    ap.add_argument("--existing", default="", help="glob of packed records trained on beside the new ones")
+    ap.add_argument("--existing-heldout", default="", help="packed held-out records (the engine check's prompts)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/blockdraft-round")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gen-seconds", type=float, default=240)
+    ap.add_argument("--train-minutes", type=float, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=288)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--taps", type=int, default=5)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=96)
+    ap.add_argument("--seqs", type=int, default=48)
+    ap.add_argument("--max-len", type=int, default=640)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="the draft proposes among this many tokens")
+    ap.add_argument("--split-draft", action="store_true", help="weights in two files (a size cap on outputs)")
+    ap.add_argument("--smoke", action="store_true", help="every stage on a tiny random model")
+    args = ap.parse_args()
+
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    LOG = out / "log.txt"
+    summary: dict = {"args": vars(args)}
+    dev = torch.device(args.device)
+    say("torch", torch.__version__, "device", dev, torch.cuda.get_device_name(0) if dev.type == "cuda" else "")
+
+    from blockdraft.models.draft_config import default_target_layer_ids
+    from blockdraft.train.config import TrainConfig
+    from blockdraft.train.records import load_packed
+    from blockdraft.train.regen_hf import generate_batched
+    from blockdraft.train.trainer import train
+
+    # ------------------------------------------------------------------------------------------- the target
+    if args.smoke:
+        target = tiny_target(dev)
+        g = torch.Generator().manual_seed(1)
+        train_ids = [f"smoke/{i}" for i in range(40)]
+        train_prompts = [torch.randint(1, 290, (int(n),), generator=g).tolist()
+                         for n in torch.randint(4, 30, (40,), generator=g)]
+        held_ids, held_prompts = train_ids[:4], train_prompts[:4]
+        mask_id = 300
+    else:
+        from blockdraft.loading import default_mask_token_id, load_target
+
+        target, _ = load_target(args.gguf, "bf16", device=str(dev), lean=False, weights="bf16")
+        train_ids, train_prompts = load_prompt_file(args.prompts)
+        held_ids, held_prompts = load_prompt_file(args.heldout_prompts) if args.heldout_prompts else ([], [])
+        mask_id = default_mask_token_id(target.tokenizer, target.vocab_size)
+    target.requires_grad_(False)
+    eos = list(target.eos_token_ids)
+    tok = target.tokenizer
+    pad = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else eos[0]
+    say("target loaded:", target.num_layers, "layers, vocab", target.vocab_size, "eos", eos, "pad", pad,
+        "prompts", len(train_prompts), "held", len(held_prompts))
+
+    # ------------------------------------------------------------------------------------------- regeneration
+    def records_of(ids, prompts, got):
+        return [{"id": ids[i], "input_ids": prompts[i] + a, "loss_mask": [0] * len(prompts[i]) + [1] * len(a)}
+                for i, a in sorted(got.items()) if a]
+
+    new_records: list[dict] = []
+    try:
+        gen_end = time.time() + args.gen_seconds
+        held_got: dict[int, list[int]] = {}
+        if held_prompts:
+            st = generate_batched(target.hf, held_prompts, eos_ids=eos, pad_id=pad,
+                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                  on_batch=lambda idx, ans: held_got.update(zip(idx, ans)))
+            pack_split(records_of(held_ids, held_prompts, held_got), out / "regen-heldout", 1)
+            say("held-out answers:", st)
+        got: dict[int, list[int]] = {}
+        last_save = [time.time()]
+
+        def on_batch(idx, ans):
+            got.update(zip(idx, ans))
+            n_tok = sum(len(a) for a in got.values())
+            say(f"answers {len(got)}/{len(train_prompts)}, {n_tok} tokens, "
+                f"{n_tok / max(1e-9, time.time() - gen_start):.0f} tok/s")
+            if time.time() - last_save[0] > 100:
+                pack_split(records_of(train_ids, train_prompts, got), out / "regen-train", 3)
+                last_save[0] = time.time()
+
+        gen_start = time.time()
+        st = generate_batched(target.hf, train_prompts, eos_ids=eos, pad_id=pad, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.batch_size, deadline=gen_end, on_batch=on_batch)
+        new_records = records_of(train_ids, train_prompts, got)
+        summary["regen"] = {"answered": st.answered, "tokens": st.new_tokens, "finished": st.finished,
+                            "seconds": round(st.seconds, 1), "tok_per_s": round(st.tokens_per_s)}
+        say("regeneration:", summary["regen"], "files", pack_split(new_records, out / "regen-train", 3))
+    except Exception:  # noqa: BLE001 - what was answered is kept; training still runs on what there is
+        say("regeneration failed:\n" + traceback.format_exc())
+
+    # ------------------------------------------------------------------------------------------- training
+    try:
+        existing = [r for f in sorted(glob.glob(args.existing)) for r in load_packed(f)] if args.existing else []
+        if args.smoke:
+            existing = records_of(train_ids, train_prompts, {i: [7, 8, 9, 7, 8, 9] * 5 for i in range(40)})
+        records = existing + new_records
+        say("training on", len(records), "records (", len(existing), "packaged +", len(new_records), "new )")
+        taps = default_target_layer_ids(target.num_layers, min(args.taps, target.num_layers))
+        run = work / "run"
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(work / "probe", ignore_errors=True)
+        base = dict(out_dir=str(run), device=str(dev), batched=True, attention="sdpa", num_layers=args.layers,
+                    layer_ids=taps, block_size=args.block, mask_token_id=mask_id, anchors=args.anchors,
+                    seqs_per_step=args.seqs, max_len=args.max_len, lr=args.lr, warmup=100, min_lr_ratio=0.05,
+                    precision="bf16", init="target", eval_every=0, eval_prompts=0, log_every=25,
+                    save_every=10**9, keep_last=1, seed=0, loss_chunk_rows=8192,
+                    draft_vocab_size=min(args.draft_vocab, target.vocab_size // 2))
+        # the schedule needs a step count: time a few steps of the same shape first, then fit the budget
+        probe_dir = work / "probe"
+        train(TrainConfig(**{**base, "out_dir": str(probe_dir), "log_every": 1}, steps=8), target=target,
+              records=records, progress=False)
+        log_lines = [json.loads(x) for x in (probe_dir / "train_log.jsonl").read_text().splitlines()]
+        gaps = sorted(b["time"] - a["time"] for a, b in zip(log_lines[2:], log_lines[3:]))
+        sec_per_step = gaps[len(gaps) // 2]
+        steps = max(20, int(args.train_minutes * 60 / sec_per_step))
+        say(f"probe: ~{sec_per_step * 1000:.0f} ms/step -> {steps} steps "
+            f"({steps * args.seqs / max(1, len(records)):.2f} epochs)", log_lines[-1])
+        res = train(TrainConfig(**{**base, "log_every": max(1, min(25, steps // 40))}, steps=steps,
+                                minutes=args.train_minutes * 1.1), target=target, records=records, progress=False)
+        if (run / "train_log.jsonl").is_file():
+            for line in (run / "train_log.jsonl").read_text().splitlines():
+                say("train", line)
+        summary["train"] = {k: v for k, v in res.items() if k != "losses"}
+        summary["train"].update(records=len(records), new_records=len(new_records), steps_planned=steps)
+        draft_dir = out / "draft"
+        shutil.rmtree(draft_dir, ignore_errors=True)
+        shutil.copytree(run / "draft", draft_dir)
+        if args.split_draft:
+            from safetensors.torch import load_file, save_file
+
+            state = load_file(str(draft_dir / "model.safetensors"))
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            first, size = {}, 0
+            for k in sorted(state):
+                if size < total / 2:
+                    first[k] = state[k]
+                    size += state[k].numel() * state[k].element_size()
+            save_file(first, str(draft_dir / "model-a.safetensors"))
+            save_file({k: v for k, v in state.items() if k not in first}, str(draft_dir / "model-b.safetensors"))
+            (draft_dir / "model.safetensors").unlink()
+        say("draft written:", sorted(p.name for p in draft_dir.iterdir()))
+    except Exception:  # noqa: BLE001
+        say("training failed:\n" + traceback.format_exc())
+        draft_dir = None
+
+    # ------------------------------------------------------------------------------------------- engine check
+    try:
+        from blockdraft.config import GenerationConfig
+        from blockdraft.decode.engine import Engine
+        from blockdraft.decode.proposers.dflash import DFlashProposer
+        from blockdraft.models.draft import DFlashDraftModel
+
+        if draft_dir is not None and (run / "draft" / "model.safetensors").is_file():
+            draft = DFlashDraftModel.from_pretrained(run / "draft", dtype=target.dtype).to(dev).eval()
+            plain, drafted = Engine(target, None), Engine(target, DFlashProposer(draft, target))
+            checks = []
+            for p in held_prompts[:4]:
+                a = plain.generate(p, GenerationConfig(max_new_tokens=64))
+                b = drafted.generate(p, GenerationConfig(max_new_tokens=64))
+                acc = b.stats.accept_lengths
+                checks.append({"equal": a.token_ids == b.token_ids, "tau": sum(acc) / max(1, len(acc))})
+            summary["engine_check"] = checks
+            say("engine on", dev, checks)
+    except Exception:  # noqa: BLE001
+        say("engine check failed:\n" + traceback.format_exc())
+    summary["seconds"] = round(time.time() - T0, 1)
+    say("SUMMARY", json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
