@@ -7,8 +7,8 @@ the GPU as a check. Every stage has a time budget, so the round fits a fixed lea
     draft/ (config.json, model.safetensors; --split-draft writes model-{a,b}.safetensors instead)
     log.txt                                      progress, the training log and a summary as the last line
 
-The prompts come tokenized (`--prompts`, written on a CPU by `blockdraft data --wide --tokenize-only`, see the
-data card in data/smollm2-wide/); the target is its GGUF file (`--gguf`). `--smoke` runs every stage on a tiny
+The prompts come tokenized (`--prompts`, written on a CPU by `blockdraft wide-prompts --out DIR --exclude
+'data/smollm2-regen/train-*.npz'`, see data/smollm2-regen/README.md); the target is its GGUF file (`--gguf`). `--smoke` runs every stage on a tiny
 random model instead, for a check of the code path on a new machine.
 
     python recipes/smollm2-135m-dflash-gpu.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompts prompts-train.npz \
@@ -27,7 +27,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 T0 = time.time()
@@ -40,12 +39,6 @@ def say(*parts) -> None:
     if LOG is not None:
         with open(LOG, "a") as f:
             f.write(line + "\n")
-
-
-def load_prompt_file(path: str) -> tuple[list[str], list[list[int]]]:
-    z = np.load(path)
-    tok, off = z["tokens"].astype(np.int64), z["offsets"]
-    return [str(i) for i in z["ids"]], [tok[off[k]:off[k + 1]].tolist() for k in range(len(off) - 1)]
 
 
 def pack_split(records: list[dict], stem: Path, parts: int) -> list[str]:
@@ -114,6 +107,7 @@ def main() -> int:
     from blockdraft.train.records import load_packed
     from blockdraft.train.regen_hf import generate_batched
     from blockdraft.train.trainer import train
+    from blockdraft.train.wide_prompts import read_tokenized
 
     # ------------------------------------------------------------------------------------------- the target
     if args.smoke:
@@ -128,8 +122,8 @@ def main() -> int:
         from blockdraft.loading import default_mask_token_id, load_target
 
         target, _ = load_target(args.gguf, "bf16", device=str(dev), lean=False, weights="bf16")
-        train_ids, train_prompts = load_prompt_file(args.prompts)
-        held_ids, held_prompts = load_prompt_file(args.heldout_prompts) if args.heldout_prompts else ([], [])
+        train_ids, train_prompts = read_tokenized(args.prompts)
+        held_ids, held_prompts = read_tokenized(args.heldout_prompts) if args.heldout_prompts else ([], [])
         mask_id = default_mask_token_id(target.tokenizer, target.vocab_size)
     target.requires_grad_(False)
     eos = list(target.eos_token_ids)

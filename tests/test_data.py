@@ -274,3 +274,22 @@ def test_pending_of_task_skips_other_tasks_and_written_records(tmp_path):
     w.close()
     assert [p.id for p in D.pending_of_task(prompts, "gsm", tmp_path / "shards")] == ["m1", "m4", "m5", "m8"]
     assert D.pending_of_task(prompts, "jsonl", tmp_path / "shards") == []
+
+
+def test_tokenized_prompt_files_round_trip_and_skip_what_is_answered(tmp_path):
+    """The GPU round's prompt file: chat-formatted ids per prompt, long prompts and already-answered ones left
+    out, ids and tokens read back exactly."""
+    from blockdraft.eval.tasks.base import Prompt
+    from blockdraft.train.wide_prompts import prompt_ids_of_records, read_tokenized, write_tokenized
+
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+            return [1] + [len(w) for m in messages for w in m["content"].split()] + [2]
+
+    ps = [Prompt(id=f"p{i}", task="t" if i % 2 else "u", messages=[{"role": "user", "content": text}])
+          for i, text in enumerate(["a bb ccc", "dddd", "e " * 40, "ff gg"])]
+    answered = prompt_ids_of_records([{"input_ids": [1, 4, 2, 9, 9], "loss_mask": [0, 0, 0, 1, 1]}])
+    counts = write_tokenized(Tok(), ps, tmp_path / "p.npz", max_prompt_tokens=10, skip=answered)
+    ids, toks = read_tokenized(tmp_path / "p.npz")
+    assert ids == ["p0", "p3"] and toks == [[1, 1, 2, 3, 2], [1, 2, 2, 2]]
+    assert counts == {"u": 1, "t": 1}

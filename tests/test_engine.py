@@ -250,3 +250,30 @@ def test_choose_width_maximises_expected_tokens_per_second(llama_target):
     for limit in range(5):
         assert prop.choose_width(limit) == naive(limit)
     assert prop.choose_width(4) == 2  # the third position's 10% does not pay for its verify
+
+
+def test_a_temperature_below_the_floor_decodes_greedily(llama_target):
+    """1e-40 would divide the logits into inf and NaN; below GREEDY_BELOW the engine decodes greedily instead, with
+    and without a draft, and gives exactly the greedy tokens."""
+    from blockdraft.config import GREEDY_BELOW
+
+    prompt = _prompt(3)
+    greedy = Engine(llama_target).generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+    for t in (1e-40, GREEDY_BELOW / 2):
+        assert SamplingParams(temperature=t).greedy
+        for proposer in (None, DFlashProposer(tiny_draft(llama_target), llama_target)):
+            got = Engine(llama_target, proposer).generate(prompt, GenerationConfig(max_new_tokens=20),
+                                                          SamplingParams(temperature=t, seed=1)).token_ids
+            assert got == greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+
+
+def test_sampling_refuses_a_row_that_is_not_a_distribution():
+    from blockdraft.decode.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    ok = torch.tensor([[0.25, 0.75]])
+    assert sample(ok, g).shape == (1,)
+    for bad in ([[float("nan"), 1.0]], [[0.0, 0.0]], [[float("inf"), 0.0]], [[-0.5, 1.5]]):
+        with pytest.raises(ValueError, match="not finite or have no mass"):
+            sample(torch.tensor(bad), g)

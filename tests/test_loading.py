@@ -55,3 +55,54 @@ def test_a_join_that_is_not_a_gguf_is_refused(site):
     assert not list((site.parent / "cache" / "gguf").glob("*"))  # nothing half-written left behind
     for m in [m for m in sys.modules if m.startswith("toy")]:
         del sys.modules[m]
+
+
+def _join_in_child(args):
+    from pathlib import Path
+
+    from blockdraft.loading import join_parts
+
+    parts, out = args
+    return str(join_parts([Path(p) for p in parts], Path(out)))
+
+
+def test_two_processes_joining_at_once_both_get_a_correct_file(tmp_path):
+    """Two processes start cold on an empty cache at the same moment: both return the joined file, whose sha256
+    equals a clean concatenation's (no truncated or interleaved write is ever published), and the hash recorded
+    beside it says so."""
+    import hashlib
+    import multiprocessing as mp
+
+    from blockdraft.atomic import sha256_file
+
+    rng = __import__("random").Random(3)
+    parts = []
+    for i in range(3):
+        p = tmp_path / f"part{i}.bin"
+        p.write_bytes((b"GGUF" if i == 0 else b"") + bytes(rng.getrandbits(8) for _ in range(3_000_000)))
+        parts.append(str(p))
+    want = hashlib.sha256(b"".join(open(p, "rb").read() for p in parts)).hexdigest()
+    out = tmp_path / "cache" / "joined.gguf"
+    with mp.get_context("spawn").Pool(2) as pool:
+        got = pool.map(_join_in_child, [(parts, str(out))] * 2)
+    assert got == [str(out)] * 2
+    assert sha256_file(out) == want
+    assert (tmp_path / "cache" / "joined.gguf.sha256").read_text().strip() == want
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_joined_file_altered_in_place_is_joined_again(tmp_path):
+    """Reuse checks content, not only size: a same-size file whose bytes changed is replaced by a fresh join."""
+    from blockdraft.atomic import sha256_file
+    from blockdraft.loading import join_parts
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"GGUF" + bytes(range(200)))
+    b.write_bytes(bytes(100))
+    out = join_parts([a, b], tmp_path / "j.gguf")
+    good = sha256_file(out)
+    data = bytearray(out.read_bytes())
+    data[50] ^= 0xFF
+    out.write_bytes(bytes(data))
+    assert join_parts([a, b], tmp_path / "j.gguf") == out
+    assert sha256_file(out) == good

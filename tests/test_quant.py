@@ -543,21 +543,32 @@ def test_native_tree_rows_equal_one_token_steps_along_their_paths(dtype, one_thr
                 assert torch.equal(one.features[0, 0], tree.features[0, i])
 
 
-def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    import os
-    import time
+def test_a_dead_builds_lock_is_removed_while_a_live_build_keeps_others_waiting(tmp_path, monkeypatch):
+    """torch's build lock left by a killed build would hang every later start; it is removed (whatever its age)
+    under blockdraft's own build lock, which a live build holds for its whole build, so a live build's files are
+    never touched: a second process cannot take the build lock while the first holds it."""
+    import subprocess
+    import sys
 
+    from blockdraft.atomic import file_lock
     from blockdraft.models import quant
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for name, age, kept in (("old_build", quant.STALE_LOCK_SECONDS + 60, False), ("running_build", 5, True)):
-        lock = tmp_path / name / "lock"
-        lock.parent.mkdir()
-        lock.touch()
-        os.utime(lock, (time.time() - age, time.time() - age))
-        quant._clear_stale_build_lock(name)
-        assert lock.exists() == kept
+    lock = tmp_path / "dead_build" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    quant._clear_stale_build_lock("dead_build")
+    assert not lock.exists()
     quant._clear_stale_build_lock("never_built")  # no lock: nothing to do
+    build_lock = quant._build_lock_path("live_build")
+    assert build_lock.parent == tmp_path
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+             "except BlockingIOError:\n    print('held')")
+    with file_lock(build_lock):
+        held = subprocess.run([sys.executable, "-c", probe, str(build_lock) + ".lock"], capture_output=True, text=True)
+    free = subprocess.run([sys.executable, "-c", probe, str(build_lock) + ".lock"], capture_output=True, text=True)
+    assert (held.stdout.strip(), free.stdout.strip()) == ("held", "free")
 
 
 def test_native_argmax_returns_torch_argmax_indices():
@@ -588,3 +599,66 @@ def test_native_argmax_returns_torch_argmax_indices():
     assert torch.equal(argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
     with pytest.raises(RuntimeError, match="float32"):
         k.argmax_rows(x.double())
+
+
+def test_each_wrong_native_argument_is_a_python_error():
+    """The native boundary checks shape, dtype, device and sizes of every tensor it keeps: a wrong argument raises
+    (RuntimeError from the checks), never a crash or silent wrong numbers. Each case changes one argument of a
+    call that works."""
+    k = quant.quant_kernels()
+    g = torch.Generator().manual_seed(0)
+    n, kk = 48, 64
+    codes = torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8, generator=g)
+    scale, offset = torch.rand(n, kk // 32, generator=g), torch.rand(n, kk // 32, generator=g)
+    k.make_qlin(4, codes, scale, offset, None)  # the working call
+    bad_q4 = {
+        "a transposed scale (same element count)": dict(scale=scale.t().contiguous()),
+        "a flattened offset": dict(offset=offset.reshape(-1)),
+        "an integer scale": dict(scale=torch.ones(n, kk // 32, dtype=torch.int32)),
+        "a scale off the CPU": dict(scale=torch.empty(n, kk // 32, device="meta")),
+        "a short bias": dict(bias=torch.zeros(n - 1)),
+        "a 2-d bias": dict(bias=torch.zeros(1, n)),
+    }
+    for why, change in bad_q4.items():
+        args = dict(scale=scale, offset=offset, bias=None) | change
+        with pytest.raises(RuntimeError):
+            k.make_qlin(4, codes, args["scale"], args["offset"], args["bias"])
+            pytest.fail(why)
+    codes8 = torch.randint(-127, 128, (n, kk), dtype=torch.int8, generator=g)
+    k.make_qlin(8, codes8, torch.rand(n, kk // 16, generator=g), None, None)
+    with pytest.raises(RuntimeError, match="scale must have shape"):
+        k.make_qlin(8, codes8, torch.rand(kk // 16, n, generator=g), None, None)
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        k.make_qlin(8, torch.zeros(0, kk, dtype=torch.int8), torch.zeros(0, kk // 16), None, None)
+
+    h, heads, kv, d, inter = 64, 4, 2, 16, 96
+    k.Decoder(h, heads, kv, d, inter, torch.ones(h), 1e-6)  # the working call
+    for args in ((h, heads, 0, d, inter, torch.ones(h), 1e-6),  # n_kv 0 used to divide by zero (SIGFPE)
+                 (h, 0, kv, d, inter, torch.ones(h), 1e-6),
+                 (h, heads, kv, d, inter, torch.ones(h - 1), 1e-6),  # a short norm used to be read past its end
+                 (h, heads, kv, d, inter, torch.ones(h, dtype=torch.int64), 1e-6)):
+        with pytest.raises(RuntimeError):
+            k.Decoder(*args)
+    fc = k.make_qlin(8, torch.zeros(h, 2 * h, dtype=torch.int8), torch.ones(h, 2 * h // 16), None, None)
+    ctx = k.make_qlin(8, torch.zeros(2 * kv * d, h, dtype=torch.int8), torch.ones(2 * kv * d, h // 16), None, None)
+    k.DraftStack(h, heads, kv, d, inter, fc, torch.ones(h), 1e-6, ctx, torch.ones(h), 1e-6)
+    for hidden_norm, final_norm in ((torch.ones(h // 2), torch.ones(h)), (torch.ones(h), torch.ones(h + 1))):
+        with pytest.raises(RuntimeError, match="must have shape"):
+            k.DraftStack(h, heads, kv, d, inter, fc, hidden_norm, 1e-6, ctx, final_norm, 1e-6)
+    with pytest.raises(RuntimeError, match="must be > 0"):
+        k.DraftStack(h, heads, 0, d, inter, fc, torch.ones(h), 1e-6, ctx, torch.ones(h), 1e-6)
+
+
+def test_a_truncated_gguf_is_a_clear_error_naming_the_file(tmp_path):
+    from blockdraft.loading import packaged_default_gguf
+    from blockdraft.models.quant import read_gguf_weights
+
+    try:
+        src = packaged_default_gguf()
+    except FileNotFoundError:
+        pytest.skip("the default target's package is not installed")
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    with pytest.raises(ValueError, match=r"cut\.gguf"):
+        read_gguf_weights(cut)

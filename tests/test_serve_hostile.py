@@ -242,3 +242,20 @@ def test_stalled_body_is_dropped_with_408_while_others_are_served(server):
     # 408 after the timeout, not long after it (3 s of slack for a loaded 2-core machine)
     assert BODY_TIMEOUT * 0.9 <= waited < BODY_TIMEOUT + 3.0, waited
     assert server.health()["status"] == "ok"
+
+
+def test_prompts_longer_than_max_prompt_tokens_get_a_400_before_any_decoding():
+    """--max-prompt-tokens bounds how long one admission's prefill can hold up every other stream: a longer prompt
+    is refused with 400 context_length_exceeded naming the limit; one at the limit is accepted."""
+    from blockdraft.serve.schema import APIError, RequestParser
+
+    parser = RequestParser(tokenizer=None, model_name="m", max_context=4096, max_tokens_cap=16, block_size=None,
+                           vocab_size=100, max_prompt_tokens=8)
+    ok = parser.parse({"model": "m", "prompt": list(range(8)), "max_tokens": 2}, chat=False)
+    assert ok.prompt_ids == list(range(8))
+    with pytest.raises(APIError) as e:
+        parser.parse({"model": "m", "prompt": list(range(9)), "max_tokens": 2}, chat=False)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert "at most 8" in e.value.message and "--max-prompt-tokens" in e.value.message
+    unbounded = RequestParser(None, "m", 4096, 16, None, 100)
+    assert len(unbounded.parse({"model": "m", "prompt": list(range(9)) * 50}, chat=False).prompt_ids) == 450

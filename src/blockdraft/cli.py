@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger("blockdraft")
 
@@ -172,6 +173,29 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_wide_prompts(args) -> int:
+    """The wide prompt set, tokenized for a GPU regeneration round (recipes/smollm2-135m-dflash-gpu.py)."""
+    import glob as globmod
+
+    from .loading import load_hf_target
+    from .train.records import load_records
+    from .train.wide_prompts import (prompt_ids_of_records, wide_prompt_set, wide_sources, write_tokenized)
+
+    _, tok, _ = load_hf_target(args.target, dtype="bf16")
+    train, held, rep = wide_prompt_set(wide_sources(seed=args.seed), seed=args.seed)
+    done = prompt_ids_of_records(r for f in sorted(globmod.glob(args.exclude)) for r in load_records(f)) \
+        if args.exclude else set()
+    out = Path(args.out)
+    card = {"prompt_set": {k: v for k, v in rep.to_json().items() if k != "contaminated_ids"},
+            "already_answered": len(done), "max_prompt_tokens": args.max_prompt_tokens,
+            "train": write_tokenized(tok, train, out / "prompts-train.npz", args.max_prompt_tokens, done),
+            "heldout": write_tokenized(tok, held[: args.heldout], out / "prompts-heldout.npz",
+                                       args.max_prompt_tokens, done)}
+    (out / "prompt-card.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(json.dumps(card))
+    return 0
+
+
 def cmd_pack(args) -> int:
     """Pack JSONL shards into one compact uint16 .npz (what the repo commits)."""
     from .train.records import pack_uint16, read_shards
@@ -326,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a later run without it)")
     _weights_arg(d)
     d.set_defaults(func=cmd_data)
+
+    w = sub.add_parser("wide-prompts", help="the wide prompt set (ShareGPT turns, reasoning-gym, evals, "
+                       "instructions), deduped, decontaminated and tokenized for a GPU regeneration round")
+    w.add_argument("--target", default=None)
+    w.add_argument("--out", required=True, help="directory: prompts-train.npz, prompts-heldout.npz, prompt-card.json")
+    w.add_argument("--exclude", default=None, help="glob of packed records whose prompts are already answered")
+    w.add_argument("--max-prompt-tokens", type=int, default=512)
+    w.add_argument("--heldout", type=int, default=480, help="held-out prompts written (of ~2%% held out)")
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(func=cmd_wide_prompts)
 
     k = sub.add_parser("pack", help="pack regenerated JSONL shards into a compact uint16 .npz")
     k.add_argument("shards")

@@ -15,9 +15,14 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+GREEDY_BELOW = 1e-4  # temperatures below this decode greedily (see SamplingParams)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature == 0 means greedy (top_k/top_p are then irrelevant).
+    """How the next token is chosen. A temperature below GREEDY_BELOW (0 included) means greedy (top_k/top_p are
+    then irrelevant): dividing logits by a temperature near zero overflows float32 into inf and NaN, and long before
+    that the distribution is the argmax's point mass.
 
     top_k == 0 disables top-k; top_p == 1.0 disables nucleus sampling. `seed` seeds the explicit generator that the
     engine passes to every random draw, so a seeded call is reproducible.
@@ -42,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

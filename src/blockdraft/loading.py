@@ -16,11 +16,13 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .atomic import file_lock, fsync_dir, publish_file, recorded_hash_matches
 from .config import cache_dir
 from .decode.calibrate import load_or_measure
 from .decode.engine import Engine
@@ -85,9 +87,7 @@ PARTED_TARGETS = {
 
 
 def joined_gguf(t: PartedGGUF) -> Path:
-    """The parts of t joined into one GGUF file under the cache dir, once. The file is written under a temporary
-    name and renamed when complete, so an interrupted join is redone; a join whose size or header is wrong is an
-    error, not a model."""
+    """The parts of t joined into one GGUF file under the cache dir, once (`join_parts`)."""
     parts = []
     for i, pkg in enumerate(t.packages, 1):
         spec = importlib.util.find_spec(pkg)
@@ -97,22 +97,30 @@ def joined_gguf(t: PartedGGUF) -> Path:
             raise FileNotFoundError(f"target {t.name!r} needs package {pkg.replace('_', '-')} (part {i} of "
                                     f"{len(t.packages)}): {t.install}")
         parts.append(part)
+    return join_parts(parts, cache_dir() / "gguf" / t.file, t.install)
+
+
+def join_parts(parts: list[Path], out: Path, install: str = "reinstall the parts") -> Path:
+    """`parts` concatenated into the GGUF file `out`, unless a complete join is already there. Safe when several
+    processes start cold at once: the join runs under a lock, is written under a unique temporary name, fsynced
+    and renamed into place, and its sha256 is recorded beside it; a later start reuses the file only when its
+    size and that hash still match (a truncated or altered file is joined again). A join that is not a GGUF is
+    an error, not a model."""
+    with open(parts[0], "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"the joined parts are not a GGUF file ({parts[0]} has no GGUF header; {install})")
     size = sum(p.stat().st_size for p in parts)
-    out = cache_dir() / "gguf" / t.file
-    if out.is_file() and out.stat().st_size == size:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as dst:
+
+    def write(f) -> None:
         for p in parts:
             with open(p, "rb") as src:
                 while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-    with open(tmp, "rb") as f:
-        if f.read(4) != b"GGUF":
-            tmp.unlink()
-            raise ValueError(f"the joined parts of {t.name!r} are not a GGUF file (reinstall: {t.install})")
-    tmp.replace(out)
+                    f.write(chunk)
+
+    with file_lock(out):
+        if out.is_file() and out.stat().st_size == size and recorded_hash_matches(out):
+            return out
+        publish_file(out, write)
     return out
 
 
@@ -156,32 +164,47 @@ def _converted_dir(src: TargetSource) -> Path:
 
 def materialize(src: TargetSource) -> str:
     """Return a directory (or hub id) that `from_pretrained` loads quickly. A GGUF source is dequantized once and
-    saved as fp32 safetensors + tokenizer; the marker file is written last so an interrupted conversion is redone."""
+    saved as fp32 safetensors + tokenizer. Safe when several processes start cold at once: the conversion runs
+    under a lock, into a unique temporary directory that is renamed into place complete (marker file included);
+    a directory without the marker (an interrupted conversion) is moved aside before it is removed, never
+    removed where another process could be reading it."""
     if src.gguf_file is None:
         return src.path
     out = _converted_dir(src)
     marker = out / "blockdraft-converted.json"
     if marker.is_file():
         return str(out)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with file_lock(out):
+        if marker.is_file():  # another process finished while this one waited
+            return str(out)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors in %s (once)", src.gguf_file, out)
-    tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
-    # The GGUF loader marks the model as quantized; the dequantized weights are plain tensors, and save_pretrained
-    # would refuse (or write a bogus quantization_config) unless both markers are cleared.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "blockdraft-converted.json").write_text(json.dumps({"gguf": str(Path(src.path) / src.gguf_file)}))
-    if out.exists():
-
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        log.info("converting %s to safetensors in %s (once)", src.gguf_file, out)
+        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
+        # The GGUF loader marks the model as quantized; the dequantized weights are plain tensors, and
+        # save_pretrained would refuse (or write a bogus quantization_config) unless both markers are cleared.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            (tmp / "blockdraft-converted.json").write_text(json.dumps({"gguf": str(Path(src.path) / src.gguf_file)}))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if out.exists():  # an interrupted conversion: moved aside first, so the rename below is atomic
+                stale = Path(tempfile.mkdtemp(prefix=f".{out.name}.stale.", dir=out.parent))
+                os.replace(out, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(tmp, out)
+            fsync_dir(out.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return str(out)
 
 

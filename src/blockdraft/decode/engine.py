@@ -38,6 +38,7 @@ shares a budget of verified positions among the rows.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Iterator
@@ -51,6 +52,8 @@ from ..models.target import TargetModel
 from .tree import ancestor_mask, check_tree
 from .verify import greedy_verify, rejection_verify
 from .verify_tree import greedy_verify_tree, rejection_verify_tree
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations a long prompt needs at once
 EXPLORE_EVERY = 16  # with batch_cost: after this many plain steps in a row, one step drafts to measure again
@@ -112,8 +115,18 @@ class DecodeStats:
 class GenerationResult:
     token_ids: list[int]  # new tokens, a stop token included when one ended generation
     text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stats: DecodeStats
+    error: str | None = None  # with finish_reason "error": what failed this row (the other rows went on)
+
+
+class StepError(RuntimeError):
+    """A step failed outside any one row (the engine's own bookkeeping). `events` holds what the step had already
+    produced (rows that finished or streamed before the failure): they must still reach their callers."""
+
+    def __init__(self, message: str, events: list) -> None:
+        super().__init__(message)
+        self.events = events
 
 
 @dataclass
@@ -122,8 +135,8 @@ class StepEvent:
 
     text: the new text delta (empty when held back, or when the row was added with text=False);
     num_tokens: the row's committed new-token count so far (after stop truncation);
-    finished: the row is done; `result` then holds its GenerationResult (finish_reason "stop", "length" or
-    "cancelled"), and this is the row's last event.
+    finished: the row is done; `result` then holds its GenerationResult (finish_reason "stop", "length",
+    "cancelled" or "error"), and this is the row's last event.
     """
 
     request_id: Hashable
@@ -337,8 +350,14 @@ class Engine:
 
     @property
     def cache_positions(self) -> int:
-        """Key/value positions held by the active rows' caches."""
-        return sum(r.cache.length for r in self._active if r.cache is not None)
+        """Key/value positions held by the active rows' caches. Read by the server's HTTP thread while the worker
+        steps: the list is copied and each cache read once, since the worker may drop a row's cache in between."""
+        total = 0
+        for r in list(self._active):
+            cache = r.cache
+            if cache is not None:
+                total += cache.length
+        return total
 
     @property
     def has_work(self) -> bool:
@@ -379,18 +398,30 @@ class Engine:
         return ids
 
     def step(self) -> list[StepEvent]:
-        """One scheduling step: drop cancelled rows, admit waiting rows, verify all active rows in one forward."""
+        """One scheduling step: drop cancelled rows, admit waiting rows, verify all active rows in one forward.
+
+        An error in one row's admission, proposal or verification fails that row alone (a finished event with
+        finish_reason "error"); the others go on. An error outside any row raises StepError, which carries the
+        events the step had already produced."""
         events: list[StepEvent] = []
-        if self._tap and self.target.layer_ids != tuple(self.proposer.layer_ids):
-            # engines may share one target (bench, comparisons): tap what this engine's proposer reads
-            self.target.set_layer_ids(self.proposer.layer_ids)
-        with torch.no_grad():
-            self._drop_cancelled(events)
-            while self._pending and len(self._active) < self.max_batch:
-                self._admit(self._pending.pop(0), events)
-            if self._active:
-                self._decode_step(events)
+        try:
+            if self._tap and self.target.layer_ids != tuple(self.proposer.layer_ids):
+                # engines may share one target (bench, comparisons): tap what this engine's proposer reads
+                self.target.set_layer_ids(self.proposer.layer_ids)
+            with torch.no_grad():
+                self._drop_cancelled(events)
+                while self._pending and len(self._active) < self.max_batch:
+                    row = self._pending.pop(0)
+                    try:
+                        self._admit(row, events)
+                    except Exception as e:  # noqa: BLE001 - this row's trouble, not the batch's
+                        self._fail_row(row, events, "admission", e)
+                if self._active:
+                    self._decode_step(events)
+                self._active = [r for r in self._active if not r.done]
+        except Exception as e:
             self._active = [r for r in self._active if not r.done]
+            raise StepError(f"{type(e).__name__}: {e}", events) from e
         self.steps += 1
         return events
 
@@ -456,6 +487,19 @@ class Engine:
             self._finish(row, events, delta)
         else:
             events.append(StepEvent(row.rid, delta, len(row.new)))
+
+    def _fail_row(self, row: Sequence, events: list[StepEvent], phase: str, err: Exception) -> None:
+        """End one row with an error event (the tokens it committed so far, finish_reason "error")."""
+        if row.done:
+            return
+        log.warning("request %r failed in %s: %s: %s", row.rid, phase, type(err).__name__, err)
+        row.done = True
+        row.cache = None
+        self._by_id.pop(row.rid, None)
+        row.stats.new_tokens = len(row.new)
+        result = GenerationResult(token_ids=list(row.new), text="", finish_reason="error", stats=row.stats,
+                                  error=f"{phase} failed: {type(err).__name__}: {err}")
+        events.append(StepEvent(row.rid, "", len(row.new), finished=True, result=result))
 
     def _finish(self, row: Sequence, events: list[StepEvent], delta: str = "") -> None:
         last, result = row.finalize()
@@ -535,68 +579,98 @@ class Engine:
         seconds = cost.chain(width) + (self._draft_row_s or 0.0) * drafting
         return expected / seconds > b / cost.chain(b)
 
-    def _propose(self, limits: list[tuple[Sequence, int]]) -> list[_Plan]:
-        """Every row's candidates: trees one by one, chains in batched calls per proposer class."""
+    def _propose(self, limits: list[tuple[Sequence, int]], events: list[StepEvent]) -> list[_Plan]:
+        """Every row's candidates: trees one by one, chains in batched calls per proposer class. A row whose
+        proposal fails is failed alone (a batched call that raises is retried row by row to find it)."""
         plans: dict[int, _Plan] = {}
         chains: dict[type, list[int]] = {}
         for i, (row, g) in enumerate(limits):
             if row.proposer.proposes_trees:
-                t1 = time.perf_counter()
-                tree = row.proposer.propose_tree(row.tokens, g, row.sampling, row.generator)
-                row.stats.draft_seconds += time.perf_counter() - t1
-                if tree.max_depth > g:
-                    raise ValueError(f"malformed tree: depth {tree.max_depth} > the {g} positions left")
-                check_tree(tree, self.target.vocab_size)
-                if int(tree.tokens[0]) != int(row.tokens[-1]):
-                    raise ValueError("malformed tree: its root must be the last committed token")
-                n = row.tokens.numel()
-                # a chain (e.g. a lookup-only step) takes the plain causal path: its ancestor mask is the causal
-                # mask, so nothing needs building (and calibrate.py prices it as a chain)
-                pos = None if tree.is_chain else tree.depth + (n - 1)
-                mask = None if tree.is_chain else ancestor_mask(tree.parents)
-                plans[i] = _Plan(row, tree.tokens, pos, mask, tree=tree)
+                try:
+                    plans[i] = self._propose_tree(row, g)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_row(row, events, "drafting", e)
             else:
                 chains.setdefault(type(row.proposer), []).append(i)
         for cls, idx in chains.items():
-            rows = [limits[i][0] for i in idx]
-            t1 = time.perf_counter()
-            props = cls.propose_rows([r.proposer for r in rows], [r.tokens for r in rows],
-                                     [limits[i][1] for i in idx], [r.sampling for r in rows],
-                                     [r.generator for r in rows])
-            dt = time.perf_counter() - t1
-            drafted = sum(1 for p in props if p.tokens.numel())
-            if drafted:
-                per = dt / drafted
-                self._draft_row_s = per if self._draft_row_s is None else 0.8 * self._draft_row_s + 0.2 * per
-            for i, row, prop in zip(idx, rows, props):
-                row.stats.draft_seconds += dt
-                ids = torch.cat([row.tokens[-1:], prop.tokens])
-                plans[i] = _Plan(row, ids, None, None, proposal=prop)
-        return [plans[i] for i in range(len(limits))]
+            try:
+                plans.update(self._propose_chains(cls, limits, idx))
+            except Exception:  # noqa: BLE001 - find the row(s) at fault; the others draft alone
+                for i in idx:
+                    try:
+                        plans.update(self._propose_chains(cls, limits, [i]))
+                    except Exception as e:  # noqa: BLE001
+                        self._fail_row(limits[i][0], events, "drafting", e)
+        return [plans[i] for i in range(len(limits)) if i in plans]
+
+    def _propose_tree(self, row: Sequence, g: int) -> _Plan:
+        """One row's candidate tree, checked."""
+        t1 = time.perf_counter()
+        tree = row.proposer.propose_tree(row.tokens, g, row.sampling, row.generator)
+        row.stats.draft_seconds += time.perf_counter() - t1
+        if tree.max_depth > g:
+            raise ValueError(f"malformed tree: depth {tree.max_depth} > the {g} positions left")
+        check_tree(tree, self.target.vocab_size)
+        if int(tree.tokens[0]) != int(row.tokens[-1]):
+            raise ValueError("malformed tree: its root must be the last committed token")
+        n = row.tokens.numel()
+        # a chain (e.g. a lookup-only step) takes the plain causal path: its ancestor mask is the causal
+        # mask, so nothing needs building (and calibrate.py prices it as a chain)
+        pos = None if tree.is_chain else tree.depth + (n - 1)
+        mask = None if tree.is_chain else ancestor_mask(tree.parents)
+        return _Plan(row, tree.tokens, pos, mask, tree=tree)
+
+    def _propose_chains(self, cls: type, limits: list[tuple[Sequence, int]], idx: list[int]) -> dict[int, _Plan]:
+        plans: dict[int, _Plan] = {}
+        rows = [limits[i][0] for i in idx]
+        t1 = time.perf_counter()
+        props = cls.propose_rows([r.proposer for r in rows], [r.tokens for r in rows],
+                                 [limits[i][1] for i in idx], [r.sampling for r in rows],
+                                 [r.generator for r in rows])
+        dt = time.perf_counter() - t1
+        drafted = sum(1 for p in props if p.tokens.numel())
+        if drafted:
+            per = dt / drafted
+            self._draft_row_s = per if self._draft_row_s is None else 0.8 * self._draft_row_s + 0.2 * per
+        for i, row, prop in zip(idx, rows, props):
+            row.stats.draft_seconds += dt
+            ids = torch.cat([row.tokens[-1:], prop.tokens])
+            plans[i] = _Plan(row, ids, None, None, proposal=prop)
+        return plans
 
     def _decode_step(self, events: list[StepEvent]) -> None:
         limits = self._limits([r for r in self._active if not r.done], events)
         if not limits:
             return
-        plans = self._propose(limits)
-        if any(p.positions is not None for p in plans):
-            positions = [p.positions if p.positions is not None else
-                         torch.arange(p.row.tokens.numel() - 1, p.row.tokens.numel() - 1 + p.ids.numel(),
-                                      device=p.ids.device) for p in plans]
-        else:
-            positions = None
+        plans = self._propose(limits, events)
+        if not plans:
+            return
         t2 = time.perf_counter()
-        outs = self.target.forward_rows([p.ids for p in plans], [p.row.cache for p in plans], positions=positions,
-                                        tree_masks=[p.tree_mask for p in plans], tap=self._tap)
+        try:
+            outs = self._forward(plans)
+        except Exception:  # noqa: BLE001 - find the row(s) at fault: each row again on its own
+            outs = []
+            kept = []
+            for p in plans:
+                try:
+                    outs += self._forward([p])
+                    kept.append(p)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_row(p.row, events, "verification", e)
+            plans = kept
         dt = time.perf_counter() - t2
         self.batched_forwards += len(plans) > 1
         for plan, out in zip(plans, outs):
             row = plan.row
             n = row.tokens.numel()
-            if plan.tree is not None:
-                step, g = self._verify_tree(plan, out, n)
-            else:
-                step, g = self._verify_chain(plan, out, n)
+            try:
+                if plan.tree is not None:
+                    step, g = self._verify_tree(plan, out, n)
+                else:
+                    step, g = self._verify_chain(plan, out, n)
+            except Exception as e:  # noqa: BLE001
+                self._fail_row(row, events, "verification", e)
+                continue
             a = step.numel() - 1
             if g > 0:
                 row.gain = a if row.gain is None else 0.8 * row.gain + 0.2 * a
@@ -607,6 +681,26 @@ class Engine:
             row.tokens = torch.cat([row.tokens, step])
             row.produced += a + 1
             self._emit(row, step.tolist(), events)
+
+    def _forward(self, plans: list[_Plan]) -> list:
+        """The target over every plan's tokens in one batched forward. Each row's cache is put back to its length
+        before the call if the call fails, so a retry starts from the same state."""
+        lengths = [p.row.cache.length for p in plans]
+        if any(p.positions is not None for p in plans):
+            positions = [p.positions if p.positions is not None else
+                         torch.arange(p.row.tokens.numel() - 1, p.row.tokens.numel() - 1 + p.ids.numel(),
+                                      device=p.ids.device) for p in plans]
+        else:
+            positions = None
+        try:
+            return self.target.forward_rows([p.ids for p in plans], [p.row.cache for p in plans],
+                                            positions=positions, tree_masks=[p.tree_mask for p in plans],
+                                            tap=self._tap)
+        except Exception:
+            for p, n in zip(plans, lengths):
+                if p.row.cache is not None and p.row.cache.length > n:
+                    p.row.cache.crop(n)
+            raise
 
     def _verify_chain(self, plan: _Plan, out, n: int) -> tuple[torch.Tensor, int]:
         row, prop = plan.row, plan.proposal

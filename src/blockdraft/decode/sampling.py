@@ -24,8 +24,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probs [..., V] (float32) after temperature, top-k and top-p. Requires temperature > 0."""
-    assert params.temperature > 0, "greedy decoding has no distribution; use argmax"
+    """logits [..., V] -> probs [..., V] (float32) after temperature, top-k and top-p. Requires a sampling
+    temperature (not `params.greedy`)."""
+    assert not params.greedy, "greedy decoding has no distribution; use argmax"
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
@@ -43,8 +44,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs [..., V] -> token ids [...] drawn with `generator`."""
+    """probs [..., V] -> token ids [...] drawn with `generator`. A row that is not a distribution (NaN, inf or no
+    mass: the logits were not finite) raises ValueError, which fails that row's request alone."""
     flat = probs.reshape(-1, probs.shape[-1])
+    mass = flat.sum(-1)
+    if not (torch.isfinite(mass).all() and (mass > 0).all() and (flat >= 0).all()):
+        raise ValueError("sampling: the probabilities are not finite or have no mass (non-finite logits)")
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..atomic import file_lock
+
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # inputs per quant block (GGUF's Q4_0/Q4_1/Q8_0 block; Q4_K/Q6_K sub-blocks are 32 / 16)
@@ -277,24 +279,36 @@ def _load_kernels():
             # -mavx2 -mfma, not -march=native: a build cache may be shared by machines of different CPUs.
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool only when the extension is built with it
             # (without, it silently runs on one thread); torch's own libgomp is already loaded and is reused.
-            _clear_stale_build_lock(f"blockdraft_qlinear_{digest}")
-            _kernels = load(f"blockdraft_qlinear_{digest}", [str(f) for f in files if f.suffix == ".cpp"],
-                            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)], verbose=False)
+            name = f"blockdraft_qlinear_{digest}"
+            # our own lock around torch's builder: while it is held no other process is building, so a torch
+            # lock file found then was left by a build that died, and is removed whatever its age
+            with file_lock(_build_lock_path(name)):
+                _clear_stale_build_lock(name)
+                _kernels = load(name, [str(f) for f in files if f.suffix == ".cpp"],
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                                extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)], verbose=False)
             _kernel_reason = None
         except Exception as e:  # noqa: BLE001 - any build failure means the dequantized fallback
-            _kernel_reason = f"could not build the quantized kernels ({type(e).__name__}: {str(e)[:200]})"
-            log.warning("%s; quantized weights run dequantized through F.linear", _kernel_reason)
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            _kernel_reason = (f"could not build the quantized kernels ({type(e).__name__}: {last[:300]}; the "
+                              "compiler's whole output is in the log)")
+            # the compiler's own messages, whole: the reason above keeps one line of them
+            log.warning("%s; quantized weights run dequantized through F.linear. Build output:\n%s",
+                        _kernel_reason, e)
         return _kernels
 
 
-STALE_LOCK_SECONDS = 900  # a build takes 1-2 minutes on 2 cores; a lock this old outlived the build that made it
+def _build_lock_path(name: str) -> Path:
+    """The lock around one kernel build: beside torch's build directory of that name."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)).with_name(f".{name}")
 
 
 def _clear_stale_build_lock(name: str) -> None:
     """Remove the lock file of an interrupted kernel build: torch's builder waits on it forever (no message), so a
-    build killed mid-way would hang every later start. A lock younger than STALE_LOCK_SECONDS is another process's
-    build still running and is left alone."""
+    build killed mid-way would hang every later start. Called with the build lock held (`_load_kernels`): no
+    build of this process's kind is running then, so the file is a dead build's."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
@@ -302,9 +316,8 @@ def _clear_stale_build_lock(name: str) -> None:
         age = time.time() - lock.stat().st_mtime
     except (ImportError, OSError):
         return
-    if age > STALE_LOCK_SECONDS:
-        log.warning("removing %s, left %.0f min ago by an interrupted kernel build", lock, age / 60)
-        lock.unlink(missing_ok=True)
+    log.warning("removing %s, left %.0f min ago by an interrupted kernel build", lock, age / 60)
+    lock.unlink(missing_ok=True)
 
 
 def quant_kernels():
@@ -468,7 +481,10 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, s
     """The 2-D tensors of a GGUF file -> ({gguf name: weight} for those that map, {gguf name: type} for the rest)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: say which, not a numpy traceback
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     mapped: dict[str, QWeight] = {}
     other: dict[str, str] = {}
     for t in reader.tensors:
@@ -476,8 +492,12 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, s
             continue
         kind = t.tensor_type.name
         k = int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
-        w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
-            kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and k % BLOCK == 0) else None
+        try:
+            w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
+                kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and k % BLOCK == 0) else None
+        except Exception as e:  # noqa: BLE001 - name the tensor whose blocks do not fit
+            raise ValueError(f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) cannot be read: "
+                             f"{type(e).__name__}: {e}") from None
         if w is None:
             other[t.name] = kind
         else:

@@ -60,6 +60,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     block_size: int | None = None
     body_timeout: float = 30.0  # seconds to receive a whole request body (then 408): a stalled upload is dropped
+    max_prompt_tokens: int | None = None  # longer prompts get a 400 (None: only the context bounds them)
 
 
 def _stats_extra(result, handle: RequestHandle, draft_name: str) -> dict:
@@ -85,7 +86,7 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
     from .metrics import ServerMetrics
 
     parser = RequestParser(tokenizer, settings.model_name, settings.max_context, settings.max_tokens_cap,
-                           settings.block_size, settings.vocab_size)
+                           settings.block_size, settings.vocab_size, settings.max_prompt_tokens)
     metrics = ServerMetrics(scheduler.queue_state, lambda: scheduler.engine.plain_steps)
     # Requests are parsed (tokenized) off the event loop on ONE thread: the tokenizer is locked anyway, so more threads
     # add no throughput, and with anyio's pool of up to 40 threads the server's RSS crept up (scripts/soak.py on the
@@ -345,6 +346,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="never draft while more than this many sequences are active (0: no cap)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond max-batch (then 429)")
     p.add_argument("--max-tokens-cap", type=int, default=512, help="upper bound on max_tokens per request")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+                   help="longest prompt accepted (then 400): a prompt is prefilled inside one step, during which no "
+                        "other stream moves (0: only the target's context bounds prompts)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="verified positions per step shared by all rows (default: no limit, full blocks)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (then 413)")
@@ -382,6 +386,8 @@ def build_server(args):
 
     if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
         raise ValueError("--max-batch and --max-tokens-cap must be >= 1, --max-queue >= 0, --max-body-bytes >= 1")
+    if getattr(args, "max_prompt_tokens", 0) < 0:
+        raise ValueError("--max-prompt-tokens must be >= 0 (0: only the target's context bounds prompts)")
     if not args.body_timeout > 0:
         raise ValueError("--body-timeout must be > 0 seconds")
     if args.threads:
@@ -423,7 +429,8 @@ def build_server(args):
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
                               vocab_size=target.vocab_size, api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                              block_size=args.block_size, body_timeout=args.body_timeout)
+                              block_size=args.block_size, body_timeout=args.body_timeout,
+                              max_prompt_tokens=getattr(args, "max_prompt_tokens", 0) or None)
     return create_app(scheduler, tokenizer, settings), settings
 
 

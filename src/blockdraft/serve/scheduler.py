@@ -286,33 +286,46 @@ class Scheduler:
             if not eng.has_work:
                 continue
             t0 = time.perf_counter()
+            failed: Exception | None = None
             try:
                 events = eng.step()
-            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("engine step failed; failing %d requests", eng.num_active + eng.num_pending)
-                for rid in eng.reset():
-                    h = self._running.get(rid)
-                    if h is not None:
-                        self._fail(h, f"internal error during decoding: {type(e).__name__}: {e}")
-                continue
-            self._step_seconds.append(time.perf_counter() - t0)
-            for ev in events:
-                h = self._running.get(ev.request_id)
-                if h is None:
-                    continue
-                if ev.finished:
-                    with self._cv:
-                        self._running.pop(ev.request_id, None)
-                        reason = ev.result.finish_reason
-                        self.counters["cancelled" if reason == "cancelled" else "completed"] += 1
-                        self.counters["completion_tokens"] += len(ev.result.token_ids)
-                    if ev.text:
-                        h._push(Event("delta", text=ev.text))
-                    h._push(Event("done", result=ev.result))
-                elif ev.text:
-                    h._push(Event("delta", text=ev.text))
+            except Exception as e:  # noqa: BLE001 - fail what is left of the batch, keep serving
+                failed = e
+                # what the step produced before it failed (rows that finished or streamed) still goes out first
+                events = list(getattr(e, "events", []))
+            else:
+                self._step_seconds.append(time.perf_counter() - t0)
+            self._deliver(events)
+            if failed is not None:
+                log.error("engine step failed (%s: %s); failing %d requests", type(failed).__name__, failed,
+                          eng.num_active + eng.num_pending)
+                eng.reset()
+                # every handle still running was in the engine's batch (finished rows were delivered above): fail
+                # them all, so that none is left waiting and none keeps counting against the queue
+                for h in list(self._running.values()):
+                    self._fail(h, f"internal error during decoding: {type(failed).__name__}: {failed}")
             if self.step_delay:
                 time.sleep(self.step_delay)
+
+    def _deliver(self, events) -> None:
+        """Route one step's events to their handles; a row that failed alone ends with an error event."""
+        for ev in events:
+            h = self._running.get(ev.request_id)
+            if h is None:
+                continue
+            if ev.finished and ev.result.finish_reason == "error":
+                self._fail(h, f"internal error during decoding: {ev.result.error}")
+            elif ev.finished:
+                with self._cv:
+                    self._running.pop(ev.request_id, None)
+                    reason = ev.result.finish_reason
+                    self.counters["cancelled" if reason == "cancelled" else "completed"] += 1
+                    self.counters["completion_tokens"] += len(ev.result.token_ids)
+                if ev.text:
+                    h._push(Event("delta", text=ev.text))
+                h._push(Event("done", result=ev.result))
+            elif ev.text:
+                h._push(Event("delta", text=ev.text))
 
     def _fail(self, h: RequestHandle, message: str) -> None:
         with self._cv:

@@ -129,9 +129,10 @@ class RequestParser:
     """Validates a request body and turns it into prompt ids + generation settings (or raises APIError)."""
 
     def __init__(self, tokenizer, model_name: str, max_context: int, max_tokens_cap: int, block_size: int | None,
-                 vocab_size: int) -> None:
+                 vocab_size: int, max_prompt_tokens: int | None = None) -> None:
         self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
         self.max_tokens_cap, self.block_size, self.vocab_size = max_tokens_cap, block_size, vocab_size
+        self.max_prompt_tokens = max_prompt_tokens  # None: only the context bounds a prompt
 
     def parse(self, body, chat: bool) -> ParsedRequest:
         if not isinstance(body, dict):
@@ -162,6 +163,12 @@ class RequestParser:
             raise _bad(f"'user' must be a string, got {_show(user)}", "user", "invalid_type")
 
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+            # the prefill of a prompt runs inside one engine step: a bound on prompts is a bound on how long every
+            # other stream can be held up by one admission
+            raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                                f"{self.max_prompt_tokens} (--max-prompt-tokens). Please shorten the prompt.",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
         if len(prompt_ids) >= self.max_context:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens, but the prompt "
                                 f"has {len(prompt_ids)} tokens (at least one token must remain for the completion). "

@@ -257,3 +257,59 @@ def wide_prompt_set(sources: dict[str, Sequence[Prompt]], seed: int = 0, heldout
     random.Random(seed + 7).shuffle(train)
     random.Random(seed + 8).shuffle(held)
     return train, held, rep
+
+
+# ------------------------------------------------------------------------------------------- tokenized prompt files
+def write_tokenized(tokenizer, prompts: Sequence[Prompt], path: str | Path, max_prompt_tokens: int = 512,
+                    skip: set[tuple[int, ...]] = frozenset()) -> dict[str, int]:
+    """Chat-format and tokenize `prompts` into one compressed `.npz` (`tokens` flat uint16, `offsets` [n+1],
+    `ids`, `tasks`): what a GPU regeneration round reads (no tokenizer or data package needed there). Prompts over
+    `max_prompt_tokens`, and prompts whose token ids are in `skip` (already answered), are left out. Returns the
+    count kept per task."""
+    import numpy as np
+
+    from .data import chat_token_ids
+
+    kept: list[tuple[str, str, list[int]]] = []
+    for p in prompts:
+        ids = chat_token_ids(tokenizer, p.messages)
+        if len(ids) <= max_prompt_tokens and tuple(ids) not in skip:
+            kept.append((p.id, p.task, ids))
+    if any(max(ids) > 0xFFFF for _, _, ids in kept):
+        raise ValueError("token ids above 65535 do not fit the uint16 prompt file")
+    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for _, _, ids in kept], out=offsets[1:])
+    tokens = (np.concatenate([np.asarray(ids, dtype=np.uint16) for _, _, ids in kept]) if kept
+              else np.zeros(0, np.uint16))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, tokens=tokens, offsets=offsets, ids=np.array([k[0] for k in kept], dtype=str),
+                            tasks=np.array([k[1] for k in kept], dtype=str))
+    tmp.replace(path)
+    counts: dict[str, int] = {}
+    for _, task, _ in kept:
+        counts[task] = counts.get(task, 0) + 1
+    return counts
+
+
+def read_tokenized(path: str | Path) -> tuple[list[str], list[list[int]]]:
+    """(ids, token id lists) back from `write_tokenized`'s file; ValueError if its arrays disagree."""
+    import numpy as np
+
+    z = np.load(path)
+    tok, off, ids = z["tokens"].astype(np.int64), z["offsets"], z["ids"]
+    if len(off) != len(ids) + 1 or off[0] != 0 or off[-1] != len(tok) or (np.diff(off) < 0).any():
+        raise ValueError(f"{path}: {len(ids)} ids, {len(off)} offsets and {len(tok)} tokens disagree")
+    return [str(i) for i in ids], [tok[off[k]:off[k + 1]].tolist() for k in range(len(ids))]
+
+
+def prompt_ids_of_records(records) -> set[tuple[int, ...]]:
+    """The prompt token ids of regenerated records (the part before the loss mask starts)."""
+    out = set()
+    for r in records:
+        lm = r["loss_mask"]
+        n = lm.index(1) if 1 in lm else len(lm)
+        out.add(tuple(r["input_ids"][:n]))
+    return out

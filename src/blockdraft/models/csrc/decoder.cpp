@@ -312,14 +312,30 @@ inline void mlp_residual(float* x, int64_t t, int64_t h, int64_t inter, const fl
   add_into(x, tmp, t * h);
 }
 
+// A 1-d float vector of exactly n entries on the CPU (a norm's weights): anything else is refused here, where a
+// short one would otherwise be read past its end.
+inline torch::Tensor checked_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_floating_point(), name, " must be a float tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape [", n, "], got ", t.sizes());
+  return t.to(torch::kFloat).contiguous();
+}
+
+inline void check_heads(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter) {
+  TORCH_CHECK(hidden > 0 && n_q > 0 && n_kv > 0 && head_dim > 0 && inter > 0,
+              "hidden, head counts, head_dim and intermediate size must be > 0, got ", hidden, ", ", n_q, ", ", n_kv,
+              ", ", head_dim, ", ", inter);
+  TORCH_CHECK(n_q % n_kv == 0 && head_dim % 8 == 0, "heads must group evenly and head_dim be a multiple of 8");
+  TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "hidden and intermediate sizes must be multiples of 32");
+}
+
 class Decoder {
  public:
   Decoder(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter, torch::Tensor final_norm,
           double final_eps)
-      : h_(hidden), nq_(n_q), nkv_(n_kv), d_(head_dim), inter_(inter),
-        final_norm_(final_norm.to(torch::kFloat).contiguous()), final_eps_(static_cast<float>(final_eps)) {
-    TORCH_CHECK(n_q % n_kv == 0 && head_dim % 8 == 0, "heads must group evenly and head_dim be a multiple of 8");
-    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "hidden and intermediate sizes must be multiples of 32");
+      : h_(hidden), nq_(n_q), nkv_(n_kv), d_(head_dim), inter_(inter), final_eps_(static_cast<float>(final_eps)) {
+    check_heads(hidden, n_q, n_kv, head_dim, inter);
+    final_norm_ = checked_vector(final_norm, hidden, "final_norm");
   }
 
   void add_layer(QLin qkv, QLin o, QLin gate_up, QLin down, torch::Tensor ln_in, double eps_in,
@@ -328,7 +344,7 @@ class Decoder {
     TORCH_CHECK(qkv.n == qkv_n && qkv.k == h_ && o.n == h_ && o.k == nq_ * d_ && gate_up.n == 2 * inter_ &&
                     gate_up.k == h_ && down.n == h_ && down.k == inter_,
                 "layer shapes do not fit the decoder");
-    Layer l{qkv, o, gate_up, down, ln_in.to(torch::kFloat).contiguous(), ln_post.to(torch::kFloat).contiguous(),
+    Layer l{qkv, o, gate_up, down, checked_vector(ln_in, h_, "ln_in"), checked_vector(ln_post, h_, "ln_post"),
             static_cast<float>(eps_in), static_cast<float>(eps_post)};
     layers_.push_back(std::move(l));
   }
@@ -416,11 +432,11 @@ class DraftStack {
   DraftStack(int64_t hidden, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t inter, QLin fc,
              torch::Tensor hidden_norm, double hidden_eps, QLin ctx_kv, torch::Tensor final_norm, double final_eps)
       : h_(hidden), nq_(n_q), nkv_(n_kv), d_(head_dim), inter_(inter), fc_(std::move(fc)),
-        hidden_norm_(hidden_norm.to(torch::kFloat).contiguous()), hidden_eps_(static_cast<float>(hidden_eps)),
-        ctx_kv_(std::move(ctx_kv)), final_norm_(final_norm.to(torch::kFloat).contiguous()),
+        hidden_eps_(static_cast<float>(hidden_eps)), ctx_kv_(std::move(ctx_kv)),
         final_eps_(static_cast<float>(final_eps)) {
-    TORCH_CHECK(n_q % n_kv == 0 && head_dim % 8 == 0, "heads must group evenly and head_dim be a multiple of 8");
-    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "hidden and intermediate sizes must be multiples of 32");
+    check_heads(hidden, n_q, n_kv, head_dim, inter);
+    hidden_norm_ = checked_vector(hidden_norm, hidden, "hidden_norm");
+    final_norm_ = checked_vector(final_norm, hidden, "final_norm");
     TORCH_CHECK(fc_.n == h_, "fc must project the features to the hidden size");
   }
 
@@ -429,9 +445,9 @@ class DraftStack {
     TORCH_CHECK(qkv.n == (nq_ + 2 * nkv_) * d_ && qkv.k == h_ && o.n == h_ && o.k == nq_ * d_ &&
                     gate_up.n == 2 * inter_ && gate_up.k == h_ && down.n == h_ && down.k == inter_,
                 "layer shapes do not fit the draft");
-    layers_.push_back(DraftLayer{qkv, o, gate_up, down, ln1.to(torch::kFloat).contiguous(),
-                                 ln2.to(torch::kFloat).contiguous(), q_norm.to(torch::kFloat).contiguous(),
-                                 k_norm.to(torch::kFloat).contiguous(), static_cast<float>(eps)});
+    layers_.push_back(DraftLayer{qkv, o, gate_up, down, checked_vector(ln1, h_, "ln1"),
+                                 checked_vector(ln2, h_, "ln2"), checked_vector(q_norm, d_, "q_norm"),
+                                 checked_vector(k_norm, d_, "k_norm"), static_cast<float>(eps)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

@@ -790,17 +790,28 @@ inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c1
   q.bits = static_cast<int>(bits);
   q.n = codes.size(0);
   q.k = bits == 8 ? codes.size(1) : codes.size(1) * 2;
+  TORCH_CHECK(q.n > 0 && q.k > 0, "codes must not be empty, got ", codes.sizes());
   TORCH_CHECK(q.k % kBlock == 0, "K must be a multiple of 32, got ", q.k);
+  // the exact shape, not just the element count: a transposed scale has the same count and gives wrong numbers
+  const int64_t groups = bits == 8 ? q.k / 16 : q.k / kBlock;
+  auto check_scales = [&](const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+    TORCH_CHECK(t.is_floating_point(), name, " must be a float tensor, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == q.n && t.size(1) == groups, name, " must have shape [", q.n, ", ",
+                groups, "], got ", t.sizes());
+  };
+  check_scales(scale, "scale");
   const torch::Tensor c = codes.contiguous(), s = scale.to(torch::kFloat).contiguous();
   if (bits == 4 || bits == 5) {
     TORCH_CHECK(c.scalar_type() == at::kByte, bits, "-bit codes must be uint8 [N, K/2]");
     TORCH_CHECK(offset.has_value() && offset->defined(), bits, "-bit weights need offsets");
+    check_scales(*offset, "offset");
     const torch::Tensor o = offset->to(torch::kFloat).contiguous();
-    TORCH_CHECK(s.numel() == q.n * (q.k / kBlock) && o.numel() == s.numel(), "scale / offset must be [N, K/32]");
     if (bits == 4) {
       q.q4 = pack_q4(c, s, o);
     } else {
       TORCH_CHECK(high.has_value() && high->defined(), "5-bit weights need their fifth bits (high)");
+      TORCH_CHECK(high->device().is_cpu(), "high must be a CPU tensor");
       const torch::Tensor h = high->contiguous();
       TORCH_CHECK(h.scalar_type() == at::kByte && h.dim() == 2 && h.size(0) == q.n && h.size(1) == q.k / 8,
                   "high must be uint8 [N, K/8] = [", q.n, ", ", q.k / 8, "]");
@@ -808,12 +819,12 @@ inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c1
     }
   } else {
     TORCH_CHECK(c.scalar_type() == at::kChar, "8-bit codes must be int8 [N, K]");
-    TORCH_CHECK(s.numel() == q.n * (q.k / 16), "scale must be [N, K/16]");
     q.q8 = pack_q8(c, s);
   }
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_floating_point() && bias->dim() == 1 && bias->size(0) == q.n,
+                "bias must be a float CPU tensor of shape [", q.n, "], got ", bias->sizes());
     q.bias = bias->to(torch::kFloat).contiguous();
-    TORCH_CHECK(q.bias.numel() == q.n, "bias must have ", q.n, " elements");
   }
   return q;
 }
