@@ -163,3 +163,27 @@ def test_the_scheduler_fails_or_completes_every_handle(llama_target, monkeypatch
         assert m["active"] == 0 and m["queued"] == 0 and m["errors"] == 3 and m["completed"] == 2
     finally:
         sched.stop()
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(llama_target):
+    """While a row decodes, a newly admitted long prompt is prefilled one chunk per step: the running row commits
+    tokens in every one of those steps instead of waiting for the whole prefill, and both rows get exactly the
+    tokens they get alone (the same chunks, in the same order, as a prefill on an idle engine)."""
+    g = torch.Generator().manual_seed(9)
+    short, long = torch.randint(1, 90, (6,), generator=g), torch.randint(1, 90, (41,), generator=g)
+    cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    eng = Engine(llama_target, max_batch=4, prefill_chunk=8)
+    a = eng.add(short, cfg)
+    eng.step()  # the short row is admitted and decoding
+    b = eng.add(long, cfg)
+    progress, results = [], {}
+    while eng.has_work:
+        events = eng.step()
+        counts = {ev.request_id: ev.num_tokens for ev in events}
+        results.update({ev.request_id: ev.result.token_ids for ev in events if ev.finished})
+        progress.append((counts.get(a), counts.get(b)))
+    for ev_a, ev_b in progress[:5]:  # 41 tokens in chunks of 8: the long row's first token comes in step 6
+        assert ev_a is not None and ev_b is None
+    assert progress[5][1] is not None  # its prompt is in: first token, and it decodes in the same step
+    for rid, prompt in ((a, short), (b, long)):
+        assert results[rid] == Engine(llama_target, prefill_chunk=8).generate(prompt, cfg).token_ids

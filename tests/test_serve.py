@@ -405,3 +405,32 @@ def test_scheduler_queue_limit_cancellation_and_worker_recovery(one_thread):
         assert m["worker_alive"] and m["errors"] == 1 and m["cancelled"] == 1 and m["rejected"] == 1
     finally:
         sched.stop()
+
+
+def test_a_stream_beside_tiny_temperatures_and_one_token_requests_ends_with_its_solo_text(server):
+    """70 requests with temperature 1e-40 or max_tokens 1 sent while one greedy stream decodes: none gets a 5xx,
+    the stream's text equals what it gets alone, and afterwards nothing is left active or queued (no slot leaked:
+    a normal request is then served)."""
+    server.wait_idle()
+    prompt = "Tell me a story about a cat."
+    solo = _chat(server, prompt, max_tokens=CAP).choices[0].message.content
+    result: dict = {}
+
+    def stream():
+        s = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=CAP, temperature=0, stream=True)
+        result["text"] = _stream_text(s)[0]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    statuses = []
+    for i in range(70):
+        body = {"model": server.model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+        body.update({"temperature": 1e-40, "max_tokens": 4} if i % 2 else {"max_tokens": 1, "temperature": 0.7})
+        statuses.append(server.post("/v1/chat/completions", body)[0])
+    t.join(120)
+    assert statuses.count(200) == 70, sorted(set(statuses))
+    assert result["text"] == solo
+    h = server.wait_idle()
+    assert h["active"] == 0 and h["queued"] == 0
+    assert _chat(server, PROMPTS[0]).choices[0].finish_reason in ("stop", "length")

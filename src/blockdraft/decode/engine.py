@@ -118,6 +118,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stats: DecodeStats
     error: str | None = None  # with finish_reason "error": what failed this row (the other rows went on)
+    exception: BaseException | None = field(default=None, repr=False, compare=False)  # ... and the exception
 
 
 class StepError(RuntimeError):
@@ -230,6 +231,9 @@ class Sequence:
         self.done = False
         self.stats = DecodeStats(prompt_tokens=prompt.numel())
         self.t0 = 0.0
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.prompt_features: list[torch.Tensor] = []  # tapped features of the prefilled chunks
+        self.last_logits: torch.Tensor | None = None  # the last prefilled position's logits
         self.gain: float | None = None  # running mean of the tokens a drafted step committed beyond one
 
     def push(self, chunk: list[int]) -> tuple[str, bool]:
@@ -327,6 +331,7 @@ class Engine:
             target.set_layer_ids(self.proposer.layer_ids)
         self._ids = itertools.count()
         self._pending: list[Sequence] = []
+        self._prefilling: list[Sequence] = []  # admitted, prompt not yet fully in the cache (see step)
         self._active: list[Sequence] = []
         self._by_id: dict[Hashable, Sequence] = {}
         self._template_used = False  # the first row gets the proposer itself, later ones forks of it
@@ -342,7 +347,8 @@ class Engine:
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        """Rows holding a slot: decoding, or admitted and still prefilling their prompt."""
+        return len(self._active) + len(self._prefilling)
 
     @property
     def num_pending(self) -> int:
@@ -353,7 +359,7 @@ class Engine:
         """Key/value positions held by the active rows' caches. Read by the server's HTTP thread while the worker
         steps: the list is copied and each cache read once, since the worker may drop a row's cache in between."""
         total = 0
-        for r in list(self._active):
+        for r in list(self._active) + list(self._prefilling):
             cache = r.cache
             if cache is not None:
                 total += cache.length
@@ -361,7 +367,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._active or self._pending)
+        return bool(self._active or self._pending or self._prefilling)
 
     def add(self, prompt_ids, config: GenerationConfig | None = None, sampling: SamplingParams | None = None, *,
             request_id: Hashable | None = None, text: bool = True) -> Hashable:
@@ -393,12 +399,17 @@ class Engine:
         """Drop every row (after an error); returns the ids that were dropped."""
         ids = list(self._by_id)
         self._pending.clear()
+        self._prefilling.clear()
         self._active.clear()
         self._by_id.clear()
         return ids
 
     def step(self) -> list[StepEvent]:
         """One scheduling step: drop cancelled rows, admit waiting rows, verify all active rows in one forward.
+
+        Prompts are prefilled in chunks of `prefill_chunk` tokens. While other rows are decoding, a step prefills
+        at most one chunk before it decodes, so a long prompt admitted beside running streams delays each of their
+        steps by one chunk's forward, not by the whole prompt's; with no row decoding, prompts are prefilled whole.
 
         An error in one row's admission, proposal or verification fails that row alone (a finished event with
         finish_reason "error"); the others go on. An error outside any row raises StepError, which carries the
@@ -410,12 +421,13 @@ class Engine:
                 self.target.set_layer_ids(self.proposer.layer_ids)
             with torch.no_grad():
                 self._drop_cancelled(events)
-                while self._pending and len(self._active) < self.max_batch:
+                while self._pending and self.num_active < self.max_batch:
                     row = self._pending.pop(0)
                     try:
-                        self._admit(row, events)
+                        self._admit(row)
                     except Exception as e:  # noqa: BLE001 - this row's trouble, not the batch's
                         self._fail_row(row, events, "admission", e)
+                self._prefill(events)
                 if self._active:
                     self._decode_step(events)
                 self._active = [r for r in self._active if not r.done]
@@ -463,6 +475,8 @@ class Engine:
                     if ev.text:
                         yield ev.text
                     if ev.finished:
+                        if ev.result.finish_reason == "error" and ev.result.exception is not None:
+                            raise ev.result.exception  # one generation: its failure is the caller's error
                         gen.result = ev.result
                         return
         finally:
@@ -498,7 +512,7 @@ class Engine:
         self._by_id.pop(row.rid, None)
         row.stats.new_tokens = len(row.new)
         result = GenerationResult(token_ids=list(row.new), text="", finish_reason="error", stats=row.stats,
-                                  error=f"{phase} failed: {type(err).__name__}: {err}")
+                                  error=f"{phase} failed: {type(err).__name__}: {err}", exception=err)
         events.append(StepEvent(row.rid, "", len(row.new), finished=True, result=result))
 
     def _finish(self, row: Sequence, events: list[StepEvent], delta: str = "") -> None:
@@ -511,32 +525,64 @@ class Engine:
         for row in [r for r in self._pending if r.cancelled]:
             self._pending.remove(row)
             self._finish(row, events)
-        for row in self._active:
+        for row in self._active + self._prefilling:
             if row.cancelled and not row.done:
                 self._finish(row, events)
         self._active = [r for r in self._active if not r.done]
+        self._prefilling = [r for r in self._prefilling if not r.done]
 
-    def _admit(self, row: Sequence, events: list[StepEvent]) -> None:
-        """Prefill one row on its own cache (in chunks), pick its first token, start its proposer."""
+    def _admit(self, row: Sequence) -> None:
+        """Give a row its slot: its generator and its cache; its prompt is prefilled by `_prefill`."""
         target, prompt = self.target, row.prompt
         if not row.sampling.greedy:
             row.generator = make_generator(row.sampling.seed, target.device)
         row.t0 = time.perf_counter()
-        n0 = prompt.numel()
         # room for the whole generation plus one verify, so the preallocated cache never has to grow
         width = max(row.block, row.proposer.max_width)
-        row.cache = target.new_decode_cache(min(target.max_context, n0 + row.config.max_new_tokens + width + 1))
-        feats = []
-        for a in range(0, n0, self.prefill_chunk):
-            out = target.forward(prompt[a:a + self.prefill_chunk].unsqueeze(0), row.cache, last_only=True,
-                                 tap=self._tap)
-            row.stats.target_forwards += 1
-            if self._tap:
-                feats.append(out.features)
-        first = pick_token(out.logits[0, -1], row.sampling, row.generator)
-        row.proposer.start(prompt, (torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]) if feats else None)
+        row.cache = target.new_decode_cache(min(target.max_context,
+                                                prompt.numel() + row.config.max_new_tokens + width + 1))
+        row.prefilled = 0
+        row.prompt_features = []
+        self._prefilling.append(row)
+
+    def _prefill(self, events: list[StepEvent]) -> None:
+        """Prefill waiting prompts chunk by chunk, oldest row first: everything when no row is decoding, else one
+        chunk this step (see `step`). A row whose prompt is done picks its first token and starts decoding."""
+        budget = None if not self._active else self.prefill_chunk
+        while self._prefilling and (budget is None or budget > 0):
+            row = self._prefilling[0]
+            try:
+                n = self._prefill_chunk(row)
+                if budget is not None:
+                    budget -= n
+                if row.prefilled == row.prompt.numel():
+                    self._prefilling.pop(0)
+                    self._first_token(row, events)
+            except Exception as e:  # noqa: BLE001 - this row's trouble, not the batch's
+                if row in self._prefilling:
+                    self._prefilling.remove(row)
+                self._fail_row(row, events, "admission", e)
+
+    def _prefill_chunk(self, row: Sequence) -> int:
+        """One prefill forward of the row's next prompt chunk; returns the tokens it took."""
+        a = row.prefilled
+        chunk = row.prompt[a:a + self.prefill_chunk]
+        out = self.target.forward(chunk.unsqueeze(0), row.cache, last_only=True, tap=self._tap)
+        row.stats.target_forwards += 1
+        if self._tap:
+            row.prompt_features.append(out.features)
+        row.prefilled = a + chunk.numel()
+        row.last_logits = out.logits[0, -1]
+        return chunk.numel()
+
+    def _first_token(self, row: Sequence, events: list[StepEvent]) -> None:
+        """The prompt is in the cache: pick the first token, start the proposer, emit."""
+        first = pick_token(row.last_logits, row.sampling, row.generator)
+        feats = row.prompt_features
+        row.proposer.start(row.prompt, (torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]) if feats else None)
+        row.prompt_features, row.last_logits = [], None
         row.stats.prefill_seconds = time.perf_counter() - row.t0
-        row.tokens = torch.cat([prompt, first.view(1)])
+        row.tokens = torch.cat([row.prompt, first.view(1)])
         row.produced = 1
         self._emit(row, [int(first)], events)
         if not row.done:
