@@ -5,7 +5,8 @@ report whether it stayed correct. Not part of `make test` (it runs for minutes o
 Load: --concurrency client threads, each looping until the deadline with a seeded random choice per request:
 ~10% invalid bodies (expected 4xx), ~10% streams the client abandons after two chunks (the server must free the
 row), the rest valid chat / completion requests, streamed or not, with random valid parameters (temperature 0 / 0.7
-/ 1, top_p, top_k, seed, stop, max_tokens). Every --burst-every seconds a burst of max_batch + max_queue + 6
+/ 1, top_p, top_k, seed, stop, max_tokens) and concurrent faults: ~5% temperatures of 1e-40 or 5e-5, ~5%
+max_tokens 1, ~3% prompts of ~1,500 tokens. Every --burst-every seconds a burst of max_batch + max_queue + 6
 simultaneous requests goes above the queue limit (the excess must get 429 with Retry-After).
 
 Checks, all in the report: 5xx == 0; lost == 0 (a request with no complete answer: connection error, timeout, a
@@ -139,6 +140,11 @@ def _valid_body(rng: random.Random, model: str, max_tokens: int, stream: bool) -
     chat = rng.random() < 0.6
     body: dict = {"model": model, "max_tokens": rng.randint(1, max_tokens), "stream": stream}
     t = rng.choice([0, 0, 0.7, 1.0])
+    fault = rng.random()
+    if fault < 0.05:  # a temperature that overflows a division (decoded greedily below 1e-4)
+        t = rng.choice([1e-40, 5e-5])
+    elif fault < 0.10:  # a row that finishes in its admission step, beside rows that decode
+        body["max_tokens"] = 1
     body["temperature"] = t
     if t:
         body["seed"] = rng.randrange(1 << 31)
@@ -151,6 +157,8 @@ def _valid_body(rng: random.Random, model: str, max_tokens: int, stream: bool) -
     if stream and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
     prompt = rng.choice(PROMPTS)
+    if rng.random() < 0.03:  # a long prompt (~1,500 tokens), prefilled chunk by chunk beside the live streams
+        prompt = " ".join([prompt] * max(1, 6000 // max(1, len(prompt))))[:6000]
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         return "/v1/chat/completions", body

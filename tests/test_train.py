@@ -249,3 +249,9 @@ def test_hf_regeneration_answers_equal_unpadded_greedy_generation(tiny):
     assert cut_answer([4, 7], [9]) == [4, 7]
     assert generate_batched(tiny.hf, prompts, eos_ids=eos, pad_id=0, max_new_tokens=4, batch_size=2,
                             deadline=0.0).answered == 0
+
+
+def test_batched_is_refused_where_it_does_not_apply(tmp_path):
+    for kw in (dict(cache="some/cache"), dict(method="eagle"), dict(target_labels=True)):
+        with pytest.raises(ValueError, match="batched trains a DFlash draft from records"):
+            TrainConfig(batched=True, **kw)

@@ -548,13 +548,11 @@ class Engine:
     def _prefill(self, events: list[StepEvent]) -> None:
         """Prefill waiting prompts chunk by chunk, oldest row first: everything when no row is decoding, else one
         chunk this step (see `step`). A row whose prompt is done picks its first token and starts decoding."""
-        budget = None if not self._active else self.prefill_chunk
-        while self._prefilling and (budget is None or budget > 0):
+        one_chunk = bool(self._active)
+        while self._prefilling:
             row = self._prefilling[0]
             try:
-                n = self._prefill_chunk(row)
-                if budget is not None:
-                    budget -= n
+                self._prefill_chunk(row)
                 if row.prefilled == row.prompt.numel():
                     self._prefilling.pop(0)
                     self._first_token(row, events)
@@ -562,9 +560,12 @@ class Engine:
                 if row in self._prefilling:
                     self._prefilling.remove(row)
                 self._fail_row(row, events, "admission", e)
+            if one_chunk:
+                break
 
     def _prefill_chunk(self, row: Sequence) -> int:
-        """One prefill forward of the row's next prompt chunk; returns the tokens it took."""
+        """One prefill forward of the row's next prompt chunk (chunk boundaries at multiples of prefill_chunk,
+        whatever else the step does); returns the tokens it took."""
         a = row.prefilled
         chunk = row.prompt[a:a + self.prefill_chunk]
         out = self.target.forward(chunk.unsqueeze(0), row.cache, last_only=True, tap=self._tap)

@@ -626,7 +626,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft directory, 'none' (skip dflash), default: the shipped one")
-    p.add_argument("--tasks", type=_csv, default=BenchConfig.tasks, help="comma list of math,code,chat")
+    p.add_argument("--tasks", type=_csv, default=BenchConfig.tasks,
+                   help="comma list of math,code,chat (the benchmark sets) and user-math,user-code,user-chat (prompts "
+                        "as users write them, never trained on)")
     p.add_argument("--methods", type=_csv, default=BenchConfig.methods,
                    help="comma list of " + ",".join(METHODS) + " (default: " + ",".join(DEFAULT_METHODS) + ")")
     p.add_argument("--n", type=int, default=BenchConfig.n, help="prompts per task (0: all)")

@@ -155,6 +155,9 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(cache_only or ['kd_weight'])}: trains from a teacher cache (cache=...)")
             if self.train_block != self.block_size:
                 raise ValueError("train_block < block_size trains from a teacher cache (cache=...)")
+        if self.batched and (self.source == "cache" or self.method != "dflash" or self.target_labels):
+            raise ValueError("batched trains a DFlash draft from records (data=...) with the records' own labels "
+                             "(not with a teacher cache, method eagle or target_labels)")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = 0 if self.method == "eagle" else 8192
         if self.method == "eagle":
