@@ -50,6 +50,17 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """A binary file that also feeds what is written into a hash."""
+
+    def __init__(self, f, h) -> None:
+        self.f, self.h = f, h
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        return self.f.write(data)
+
+
 def publish_file(out: str | Path, write: Callable[[object], None], record_hash: bool = True) -> str:
     """Write a file through write(binary file object) under a unique temporary name beside `out`, fsync it, and
     rename it over `out`; with record_hash, its sha256 goes to `out` + '.sha256' (published the same way, after
@@ -59,38 +70,17 @@ def publish_file(out: str | Path, write: Callable[[object], None], record_hash: 
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         h = hashlib.sha256()
-
-        class _Hashing:
-            def write(self, data: bytes) -> int:
-                h.update(data)
-                return f.write(data)
-
         with os.fdopen(fd, "wb") as f:
-            write(_Hashing())
+            write(_HashingWriter(f, h))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
         digest = h.hexdigest()
         if record_hash:
-            publish_text(Path(str(out) + HASH_SUFFIX), digest + "\n")
+            publish_file(Path(str(out) + HASH_SUFFIX), lambda g: g.write((digest + "\n").encode()),
+                         record_hash=False)
         fsync_dir(out.parent)
         return digest
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def publish_text(out: str | Path, text: str) -> None:
-    """A small text file written under a unique temporary name and renamed into place."""
-    out = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -307,9 +307,6 @@ def read_tokenized(path: str | Path) -> tuple[list[str], list[list[int]]]:
 
 def prompt_ids_of_records(records) -> set[tuple[int, ...]]:
     """The prompt token ids of regenerated records (the part before the loss mask starts)."""
-    out = set()
-    for r in records:
-        lm = r["loss_mask"]
-        n = lm.index(1) if 1 in lm else len(lm)
-        out.add(tuple(r["input_ids"][:n]))
-    return out
+    from .live import prompt_of
+
+    return {tuple(prompt_of(r)) for r in records}
