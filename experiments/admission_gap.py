@@ -17,7 +17,7 @@ import time
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.loading import build_engine, load_target, resolve_draft
+from blockdraft.models.loading import build_engine, load_target, resolve_draft
 
 
 def run(target, draft, prompt_a, prompt_b, chunk: int) -> dict:

@@ -21,7 +21,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    from blockdraft.loading import load_target
+    from blockdraft.models.loading import load_target
 
     target, _ = load_target(None, "bf16")
     lins = [getattr(layer, n) for layer in target.lean.layers for n in ("qkv_proj", "o_proj", "gate_up", "down")]

@@ -19,8 +19,8 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.eval.tasks import load_task
-from blockdraft.loading import build_engine, encode_prompt, load_target
+from blockdraft.prompts import load_task
+from blockdraft.models.loading import build_engine, encode_prompt, load_target
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from blockdraft.models.draft import DFlashDraftModel
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.models.ngram import lookup_table
 from blockdraft.train.batches import DraftHead, fused_inputs, make_batch, valid_anchors
 from blockdraft.train.blockattn import block_forward

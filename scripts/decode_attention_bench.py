@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 
 
 def decode(target, prompt: torch.Tensor, new: int) -> tuple[float, list[int]]:

@@ -28,7 +28,7 @@ from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.models.eagle import EagleConfig, EagleDraftModel
 from blockdraft.eval.bench import machine_info
-from blockdraft.loading import default_mask_token_id, load_target
+from blockdraft.models.loading import default_mask_token_id, load_target
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from blockdraft.decode.proposers.eagle import EagleProposer
 

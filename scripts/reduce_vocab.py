@@ -25,7 +25,7 @@ from train_default import REGEN, build_records
 
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.draft_config import DFlashConfig
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.records import read_shards
 from blockdraft.train.live import frequent_tokens
 

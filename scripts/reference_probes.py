@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.batches import DraftHead, valid_anchors
 from blockdraft.train.cached import frequent_greedy_tokens
 from blockdraft.train.config import TrainConfig

@@ -34,7 +34,7 @@ class _Stop(Exception):
 
 
 def bench(args) -> None:
-    from blockdraft.loading import load_hf_target
+    from blockdraft.models.loading import load_hf_target
 
     model, tok, _ = load_hf_target(args.target, dtype=args.dtype)
     pool = D.sharegpt_prompts()

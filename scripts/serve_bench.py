@@ -115,8 +115,8 @@ def main(argv=None) -> int:
 
     from openai import OpenAI
 
-    from blockdraft.eval.tasks import load_task
-    from blockdraft.loading import build_engine, encode_prompt, load_target, resolve_draft
+    from blockdraft.prompts import load_task
+    from blockdraft.models.loading import build_engine, encode_prompt, load_target, resolve_draft
     from blockdraft.config import GenerationConfig
 
     torch.set_num_threads(args.threads)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.eval.bench import machine_info
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.models.quant import quant_kernels
 from blockdraft.models.target import TargetModel
 

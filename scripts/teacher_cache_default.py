@@ -16,7 +16,7 @@ import torch
 
 from train_default import heldout_records, regenerated_records
 
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.teacher import build_teacher_cache
 
 LAYERS = [1, 9, 18, 24, 27, 29]

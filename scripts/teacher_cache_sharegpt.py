@@ -27,7 +27,7 @@ import torch
 
 from train_default import regenerated_records
 
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.conversations import conversation_record
 from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
 from blockdraft.train.teacher import build_teacher_cache

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.conversations import conversation_records
 from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
 from blockdraft.train.records import load_packed, read_shards, validate_record

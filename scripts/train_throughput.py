@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from blockdraft.models.draft import DFlashDraftModel
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.cached import batch_loss
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.batches import DraftHead, make_batch, valid_anchors

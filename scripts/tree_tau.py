@@ -16,8 +16,8 @@ import torch
 from blockdraft.config import GenerationConfig
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.decode.engine import Engine
-from blockdraft.eval.tasks import load_task
-from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
+from blockdraft.prompts import load_task
+from blockdraft.models.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from blockdraft.decode.proposers.lookup import PromptLookupProposer
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.eval.bench import machine_info
-from blockdraft.loading import DEFAULT_DRAFTS, load_target, packaged_models_dir
+from blockdraft.models.loading import DEFAULT_DRAFTS, load_target, packaged_models_dir
 from draft_cost_curve import measure  # the same interleaved measuring loop as the draft cost curve (scripts/)
 
 

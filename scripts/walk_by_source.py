@@ -16,7 +16,7 @@ import sys
 import torch
 
 from blockdraft.models.draft import DFlashDraftModel
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.train.batches import DraftHead
 from blockdraft.train.curve import walk_tau
 from blockdraft.train.teacher import TeacherCache

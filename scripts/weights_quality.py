@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.eval.bench import machine_info
-from blockdraft.loading import load_target
+from blockdraft.models.loading import load_target
 from blockdraft.models.quant import plan_weights
 from blockdraft.models.target import TargetModel
 from blockdraft.train.records import load_records

@@ -1,4 +1,4 @@
-"""A real `python -m blockdraft.serve.app` process on a free loopback port over a tiny random model, for the server's
+"""A real `python -m blockdraft.cli serve` process on a free loopback port over a tiny random model, for the server's
 tests (test_serve*.py). The target is a tiny random LLaMA saved with the real SmolLM2 tokenizer (as in test_cli), the
 draft a tiny untrained DFlash draft."""
 
@@ -24,7 +24,7 @@ def tiny_model_dir(out: Path) -> tuple[Path, Path]:
 
     from blockdraft.models.draft import DFlashDraftModel
     from blockdraft.models.draft_config import DFlashConfig
-    from blockdraft.loading import materialize, resolve_target
+    from blockdraft.models.loading import materialize, resolve_target
     from blockdraft.models.target import TargetModel
 
     tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
@@ -45,13 +45,13 @@ def tiny_model_dir(out: Path) -> tuple[Path, Path]:
 
 
 class Server:
-    """A `python -m blockdraft.serve.app` process; its output goes to a log file (no pipe to fill up)."""
+    """A `python -m blockdraft.cli serve` process; its output goes to a log file (no pipe to fill up)."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 120.0) -> None:
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "blockdraft.serve.app", "--host", "127.0.0.1",
+        self.proc = subprocess.Popen([sys.executable, "-m", "blockdraft.cli", "serve", "--host", "127.0.0.1",
                                       "--port", "0", "--threads", "1", *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + timeout

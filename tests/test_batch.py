@@ -422,7 +422,7 @@ def test_native_engine_batched_equals_solo_in_every_statistic(dtype, one_thread)
     draft = tiny_draft(target, block_size=5, dtype=dtype)
     prompts = _prompts((7, 19, 3, 12))
     reqs = [(p, GenerationConfig(max_new_tokens=m, ignore_eos=True)) for p, m in zip(prompts, (30, 22, 35, 9))]
-    proto = DFlashProposer(draft, target)
+    proto = DFlashProposer(draft, target, draft_weights="int8")  # what DecodeSpec gives a quantized target
     assert proto.lean.native is not None
     solo = [Engine(target, proto.fork()).generate(*r) for r in reqs]
     eng = Engine(target, proto, max_batch=3)
@@ -436,7 +436,7 @@ def test_the_measured_batch_policy_drafts_only_where_it_pays(llama_target):
     cost that grows steeply with the width makes every step plain (until an exploring step), a flat one keeps
     drafting. Greedy output is the same either way."""
     from blockdraft.decode.calibrate import VerifyCost
-    from blockdraft.decode import engine as engine_module
+    from blockdraft.decode.policy import EXPLORE_BATCH
 
     prompts = _prompts((5, 11, 17))
     make, kw = _setup(llama_target, "oracle", prompts)
@@ -448,7 +448,7 @@ def test_the_measured_batch_policy_drafts_only_where_it_pays(llama_target):
     out = eng.run(reqs)
     _assert_same(out, solo, stats=False)
     assert all(r.stats.accept_lengths[0] == 1 for r in out)  # three rows from the first step on: plain
-    assert eng.plain_steps >= engine_module.EXPLORE_EVERY
+    assert eng.plain_steps >= EXPLORE_BATCH
     make, kw = _setup(llama_target, "oracle", prompts)
     eng = Engine(llama_target, max_batch=3, batch_cost=flat, **kw)
     _assert_same(eng.run(reqs), solo)

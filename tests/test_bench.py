@@ -7,7 +7,8 @@ import statistics
 import pytest
 
 from blockdraft.eval import metrics as M
-from blockdraft.eval.bench import BenchConfig, config_from_args, register, run_bench
+from blockdraft.cli.bench import config_from_args, register
+from blockdraft.eval.bench import BenchConfig, run_bench
 from blockdraft.models.target import TargetModel
 from conftest import ToyTokenizer, tiny_draft, tiny_qwen3
 

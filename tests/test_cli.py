@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from blockdraft.loading import materialize, resolve_target
+from blockdraft.models.loading import materialize, resolve_target
 from conftest import seeded
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from blockdraft.eval.tasks import load_task
-from blockdraft.eval.tasks.base import Prompt
+from blockdraft.prompts import load_task
+from blockdraft.prompts.base import Prompt
 from blockdraft.train import data as D
 from blockdraft.train import records as R
 
@@ -167,7 +167,7 @@ def tiny():
     pytest.importorskip("torch")
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from blockdraft.loading import materialize, resolve_target
+    from blockdraft.models.loading import materialize, resolve_target
 
     try:
         tok = AutoTokenizer.from_pretrained(materialize(resolve_target(None)))
@@ -279,7 +279,7 @@ def test_pending_of_task_skips_other_tasks_and_written_records(tmp_path):
 def test_tokenized_prompt_files_round_trip_and_skip_what_is_answered(tmp_path):
     """The GPU round's prompt file: chat-formatted ids per prompt, long prompts and already-answered ones left
     out, ids and tokens read back exactly."""
-    from blockdraft.eval.tasks.base import Prompt
+    from blockdraft.prompts.base import Prompt
     from blockdraft.train.wide_prompts import prompt_ids_of_records, read_tokenized, write_tokenized
 
     class Tok:

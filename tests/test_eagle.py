@@ -302,9 +302,10 @@ def test_eagle_training_overfits_and_logs_per_step_accuracy(llama_target, tmp_pa
     d = EagleDraftModel.from_pretrained(summary["out"], dtype=torch.float32)
     assert d.config.extra["trained_with"] == "blockdraft"
     # the trained drafter serves through build_engine, losslessly
-    from blockdraft.loading import build_engine
+    from blockdraft.decode.spec import DecodeSpec, build_engine
+    from blockdraft.models.loading import load_draft
 
-    eng = build_engine(llama_target, tmp_path / "run" / "draft", block_size=4)
+    eng = build_engine(llama_target, load_draft(tmp_path / "run" / "draft", llama_target), DecodeSpec(block_size=4))
     assert isinstance(eng.proposer, EagleProposer) and eng.proposer.gamma == 3
     prompt = _prompt(5)
     assert eng.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids == naive_greedy(
@@ -326,8 +327,9 @@ def test_eagle_resume_replays_the_uninterrupted_run(llama_target, tmp_path, one_
 # ---------------------------------------------------------------------------------------------------- wiring
 def test_cli_and_bench_wiring(tmp_path, one_thread):
     from blockdraft.cli import build_parser
-    from blockdraft.eval.bench import BenchConfig, config_from_args, run_bench
-    from blockdraft.eval.tasks.base import Prompt
+    from blockdraft.cli.bench import config_from_args
+    from blockdraft.eval.bench import BenchConfig, run_bench
+    from blockdraft.prompts.base import Prompt
 
     args = build_parser().parse_args(["train", "--data", "x", "--method", "eagle", "--ttt-steps", "5"])
     assert args.method == "eagle" and args.ttt_steps == 5
@@ -361,9 +363,11 @@ class _EncodingTokenizer(ToyTokenizer):
 
 
 def test_dflash_draft_dir_still_builds_a_dflash_engine(llama_target, tmp_path):
-    from blockdraft.loading import build_engine
     from blockdraft.decode.proposers.dflash import DFlashProposer
+    from blockdraft.decode.spec import DecodeSpec, build_engine
+    from blockdraft.models.loading import load_draft
 
     tiny_draft(llama_target).save_pretrained(tmp_path / "d")
-    assert isinstance(build_engine(llama_target, tmp_path / "d").proposer, DFlashProposer)
+    draft = load_draft(tmp_path / "d", llama_target)
+    assert isinstance(build_engine(llama_target, draft, DecodeSpec()).proposer, DFlashProposer)
     assert isinstance(DFlashDraftModel.from_pretrained(tmp_path / "d"), DFlashDraftModel)

@@ -174,7 +174,7 @@ def test_reduced_draft_vocabulary_stays_lossless(llama_target, tmp_path):
     res = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
     assert res.token_ids == ref
     prop = DFlashProposer(loaded, llama_target)
-    prop.start(prompt, llama_target(prompt.unsqueeze(0), None).features)
+    prop.start(prompt, llama_target(prompt.unsqueeze(0), None, tap=prop.layer_ids).features)
     p = prop.propose(torch.cat([prompt, torch.tensor([ref[0]])]), 7, SamplingParams(temperature=1.0),
                      torch.Generator().manual_seed(0))
     assert set(p.tokens.tolist()) <= set(ids.tolist())
@@ -202,11 +202,12 @@ def test_engines_sharing_one_target_each_tap_their_own_layers(one_thread):
 
 
 def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target):
-    """With a verify cost that makes every extra token dear, the proposer stops drafting after its first measured
-    step (exploring again every ADAPT_EXPLORE_EVERY steps); with a flat one it drafts full blocks. The output is
+    """With a verify cost that makes every extra token dear, the width policy stops drafting after its first
+    measured step (exploring again every EXPLORE_ROW steps); with a flat one it drafts full blocks. The output is
     plain decoding's either way: only the number of drafted tokens changes, verification does not."""
     from blockdraft.decode.calibrate import VerifyCost
-    from blockdraft.decode.proposers.dflash import ADAPT_EXPLORE_EVERY, DFlashProposer
+    from blockdraft.decode.policy import EXPLORE_ROW
+    from blockdraft.decode.proposers.dflash import DFlashProposer
 
     prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
@@ -215,29 +216,29 @@ def test_adaptive_width_follows_the_verify_cost_and_stays_lossless(llama_target)
     dear = VerifyCost([1.0] + [1000.0] * 15)
     flat = VerifyCost([1.0] * 16)
     for cost in (dear, flat):
-        prop = DFlashProposer(draft, llama_target, verify_cost=cost)
-        assert Engine(llama_target, prop).generate(prompt, cfg).token_ids == want
-        widths = prop.widths
+        res = Engine(llama_target, DFlashProposer(draft, llama_target), width_cost=cost).generate(prompt, cfg)
+        assert res.token_ids == want
+        widths = res.stats.widths
         if cost is dear:
             assert widths[0] == 4 and widths.count(0) > len(widths) // 2
             # a drafting step only to measure again: the first, then one after each full run of skips (its width
             # is the block, or what is left of max_new_tokens)
             for i, w in enumerate(widths[1:], start=1):
-                assert w == 0 or widths[i - ADAPT_EXPLORE_EVERY:i] == [0] * ADAPT_EXPLORE_EVERY, widths
+                assert w == 0 or widths[i - EXPLORE_ROW:i] == [0] * EXPLORE_ROW, widths
         else:  # every step drafts what a fixed width drafts: the block, or what max_new_tokens leaves
-            fixed = DFlashProposer(draft, llama_target)
-            Engine(llama_target, fixed).generate(prompt, cfg)
-            assert widths == fixed.widths and widths[0] == 4
+            fixed = Engine(llama_target, DFlashProposer(draft, llama_target)).generate(prompt, cfg)
+            assert widths == fixed.stats.widths and widths[0] == 4
 
 
-def test_choose_width_maximises_expected_tokens_per_second(llama_target):
+def test_choose_width_maximises_expected_tokens_per_second():
     from blockdraft.decode.calibrate import VerifyCost
-    from blockdraft.decode.proposers.dflash import DFlashProposer
+    from blockdraft.decode.policy import WidthPolicy
 
     cost = VerifyCost([1.0, 1.2, 1.5, 2.5, 3.0])
-    prop = DFlashProposer(tiny_draft(llama_target, block_size=5), llama_target, verify_cost=cost)
-    prop._draft_seconds = 0.3
-    prop._accepted, prop._trials = [9.0, 6.0, 1.0, 5.0], [10.0, 10.0, 10.0, 10.0]  # conditional rates .9 .6 .1 .5
+    prop = WidthPolicy(5, cost)
+    prop.draft_seconds.value = 0.3
+    prop.acceptance.accepted = [9.0, 6.0, 1.0, 5.0]  # conditional rates .9 .6 .1 .5
+    prop.acceptance.trials = [10.0, 10.0, 10.0, 10.0]
 
     def naive(limit):
         rates, best, best_rate = [0.9, 0.6, 0.1, 0.5], 0, 1 / cost.chain(1)
@@ -248,8 +249,8 @@ def test_choose_width_maximises_expected_tokens_per_second(llama_target):
         return best
 
     for limit in range(5):
-        assert prop.choose_width(limit) == naive(limit)
-    assert prop.choose_width(4) == 2  # the third position's 10% does not pay for its verify
+        assert prop.choose(limit) == naive(limit)
+    assert prop.choose(4) == 2  # the third position's 10% does not pay for its verify
 
 
 def test_a_temperature_below_the_floor_decodes_greedily(llama_target):

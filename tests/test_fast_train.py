@@ -331,7 +331,8 @@ def test_recipes_load_as_fast_configs_and_flags_override_them(tmp_path):
     command line wins over the recipe; an unknown name is refused with the file's path."""
     from pathlib import Path
 
-    from blockdraft.cli import build_parser, cmd_train
+    from blockdraft.cli import build_parser
+    from blockdraft.cli.train import cmd_train
 
     recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
     assert recipes

@@ -19,7 +19,7 @@ from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
 from blockdraft.eval.external import llamacpp_available
 from blockdraft.eval.llamacpp_server import LlamaServer, ServerRunner, server_missing
-from blockdraft.loading import DEFAULT_TARGET, encode_prompt, load_target, resolve_draft
+from blockdraft.models.loading import DEFAULT_TARGET, encode_prompt, load_target, resolve_draft
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from conftest import seeded
 

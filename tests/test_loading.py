@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from blockdraft.loading import PartedGGUF, joined_gguf
+from blockdraft.models.loading import PartedGGUF, joined_gguf
 
 
 def _packages(root, name: str, parts: list[bytes]) -> PartedGGUF:
@@ -60,7 +60,7 @@ def test_a_join_that_is_not_a_gguf_is_refused(site):
 def _join_in_child(args):
     from pathlib import Path
 
-    from blockdraft.loading import join_parts
+    from blockdraft.models.loading import join_parts
 
     parts, out = args
     return str(join_parts([Path(p) for p in parts], Path(out)))
@@ -94,7 +94,7 @@ def test_two_processes_joining_at_once_both_get_a_correct_file(tmp_path):
 def test_a_joined_file_altered_in_place_is_joined_again(tmp_path):
     """Reuse checks content, not only size: a same-size file whose bytes changed is replaced by a fresh join."""
     from blockdraft.atomic import sha256_file
-    from blockdraft.loading import join_parts
+    from blockdraft.models.loading import join_parts
 
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(b"GGUF" + bytes(range(200)))

@@ -364,7 +364,8 @@ def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = Engine(target).generate(prompt, cfg)
     draft = tiny_draft(target, block_size=5, dtype=dtype)
-    spec = Engine(target, DFlashProposer(draft, target)).generate(prompt, cfg)
+    weights = "int8" if mode != "bf16" else "bf16"  # the 8-bit draft a quantized target gets (DecodeSpec)
+    spec = Engine(target, DFlashProposer(draft, target, draft_weights=weights)).generate(prompt, cfg)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.target_forwards < plain.stats.target_forwards or spec.stats.tau == 1.0
     assert target.lean.layers[0].qkv_proj.bits == (4 if mode == "int4" else 8)
@@ -505,7 +506,7 @@ def test_tree_verify_on_the_native_stack_is_token_exact(dtype, one_thread):
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = Engine(target).generate(prompt, cfg)
     draft = tiny_draft(target, block_size=5, dtype=dtype)
-    tree = TreeProposer(DFlashProposer(draft, target), lookup=True, budget=10, top_k=3)
+    tree = TreeProposer(DFlashProposer(draft, target, draft_weights="int8"), lookup=True, budget=10, top_k=3)
     spec = Engine(target, tree).generate(prompt, cfg)
     assert spec.token_ids == plain.token_ids
     assert max(spec.stats.tree_nodes) > 1  # real trees were verified (branches beside the chain), not only chains
@@ -650,7 +651,7 @@ def test_each_wrong_native_argument_is_a_python_error():
 
 
 def test_a_truncated_gguf_is_a_clear_error_naming_the_file(tmp_path):
-    from blockdraft.loading import packaged_default_gguf
+    from blockdraft.models.loading import packaged_default_gguf
     from blockdraft.models.quant import read_gguf_weights
 
     try:

@@ -7,7 +7,7 @@ from blockdraft.config import GenerationConfig
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.loading import encode_prompt, load_target, resolve_draft
+from blockdraft.models.loading import encode_prompt, load_target, resolve_draft
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from conftest import seeded
 

@@ -8,7 +8,8 @@ from blockdraft.decode.calibrate import measure_verify_cost
 from blockdraft.config import GenerationConfig
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.decode.engine import Engine
-from blockdraft.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
+from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.models.loading import encode_prompt, load_target, resolve_draft
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +28,8 @@ def test_greedy_trees_equal_plain_decoding_in_fp32(fp32_target):
     assert path is not None, "the default draft ships in models/"
     draft = DFlashDraftModel.from_pretrained(path, dtype=torch.float32)
     cost = measure_verify_cost(fp32_target, max_width=24, context=64, reps=1)  # the budget chosen per step
-    engines = {"dflash-tree (budget 24)": build_tree_engine(fp32_target, None, budget=24, draft=draft),
-               "dflash+lookup (auto)": build_tree_engine(fp32_target, None, lookup=True, verify_cost=cost,
-                                                         draft=draft)}
+    engines = {"dflash-tree (budget 24)": build_engine(fp32_target, draft, DecodeSpec("dflash-tree", tree_budget=24)),
+               "dflash+lookup (auto)": build_engine(fp32_target, draft, DecodeSpec("dflash+lookup"), verify_cost=cost)}
     plain = Engine(fp32_target)
     cfg = GenerationConfig(max_new_tokens=64)
     for p in PROMPTS:

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from blockdraft.eval.tasks import TASKS, load_prompts_file, load_task
-from blockdraft.eval.tasks.base import Prompt
-from blockdraft.eval.tasks.math import gsm_template_split
+from blockdraft.prompts import TASKS, load_prompts_file, load_task
+from blockdraft.prompts.base import Prompt
+from blockdraft.prompts.math import gsm_template_split
 
 
 def test_counts_and_shapes():

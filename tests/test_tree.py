@@ -319,7 +319,7 @@ def test_budget_choice_maximises_expected_tokens_per_second():
     (`_best_count`, checked against build_tree above) keeps the node count with the best tokens per second."""
 
     def choose(prop, scores, chain=False):
-        fixed = 0.0 if chain else prop._draft_s or 0.0
+        fixed = 0.0 if chain else prop._draft_s.value or 0.0
         return _best_count(scores, prop._costs(fixed, len(scores), chain=chain))
 
     flat = VerifyCost([1.0] * 64)  # verifying more costs nothing: keep every node with a positive score

@@ -314,9 +314,9 @@ def test_draft_is_skipped_when_a_lookup_branch_is_worth_more_than_it_costs(llama
 def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_target):
     """A fast but confidently wrong draft (0.99 on a token the target never picks here): its scores promise ~1
     token per node, but the tokens it adds beyond the lookup branches are measured as 0, so once measured the draft
-    runs on a step with a lookup branch only to explore (one step in EXPLORE_EVERY + 1), and the output stays
+    runs on a step with a lookup branch only to explore (one step in EXPLORE_ROW + 1), and the output stays
     token-exact."""
-    from blockdraft.decode.proposers.tree import EXPLORE_EVERY
+    from blockdraft.decode.policy import EXPLORE_ROW
 
     calls = []
 
@@ -330,7 +330,7 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
         steps = []
 
         def propose_tree(self, tokens, max_depth, sampling, generator):
-            before, measured = len(calls), self._measured is not None
+            before, measured = len(calls), self.measured_gain.value is not None
             tree = super().propose_tree(tokens, max_depth, sampling, generator)
             self.steps.append((bool(self._lookups), measured, len(calls) > before))
             return tree
@@ -343,10 +343,10 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
     res = Engine(llama_target, prop).generate(prompt, GenerationConfig(max_new_tokens=N_NEW,
                                                                                   ignore_eos=True))
     assert res.token_ids == ref
-    assert prop._measured is not None and prop._measured < 0.05
+    assert prop.measured_gain.value is not None and prop.measured_gain.value < 0.05
     with_lookup = [ran for lk, measured, ran in prop.steps if lk and measured]
     assert len(with_lookup) >= 10  # enough steps for the rule to show
-    assert sum(with_lookup) <= len(with_lookup) // (EXPLORE_EVERY + 1) + 1
+    assert sum(with_lookup) <= len(with_lookup) // (EXPLORE_ROW + 1) + 1
     assert res.stats.tree["draft_skips"] == len(with_lookup) - sum(with_lookup)
 
 

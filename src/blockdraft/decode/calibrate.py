@@ -82,20 +82,20 @@ def _at(seconds: list[float], width: int) -> float:
 
 
 def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTEXT, reps: int = 3,
-                        seed: int = 0, tree: bool = True) -> VerifyCost:
+                        seed: int = 0, tree: bool = True, taps: tuple[int, ...] = ()) -> VerifyCost:
     """Time target forwards of 1..max_width tokens after a `context`-token prefill (random tokens: the cost does
     not depend on them), both as a tree (explicit ancestor mask) and as a causal chain when tree=True, else as a
     chain only. Widths (and the two shapes) are visited in a rotating order per repetition so that slow phases of
     the machine spread over all of them; each keeps its fastest time. The times are then made non-decreasing in
     width (`monotone`: verifying more tokens never costs less, so a dip is noise, e.g. another process pausing; left
-    in, it would pull every budget choice to that width), and widths between the timed ones are interpolated."""
+    in, it would pull every budget choice to that width), and widths between the timed ones are interpolated. taps:
+    the target layers a verify taps (what the engine will pass)."""
     if max_width < 1 or context < 1 or reps < 1:
         raise ValueError("max_width, context and reps must be >= 1")
     context = min(context, target.max_context - max_width - 1)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (1, context + max_width), generator=g).to(target.device)
     cache = target.new_decode_cache(context + max_width + 1)
-    tap = bool(target.layer_ids)
     with torch.no_grad():
         target.forward(ids[:, :context], cache, last_only=True, tap=False)
         timed = sorted(set(range(1, min(max_width, DENSE_UP_TO) + 1)) | set(range(DENSE_UP_TO, max_width + 1,
@@ -114,7 +114,7 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
             for shape, w in jobs[k:] + jobs[:k]:
                 masked = shape == "tree"
                 t0 = time.perf_counter()
-                target.forward(ids[:, context:context + w], cache, tap=tap,
+                target.forward(ids[:, context:context + w], cache, tap=taps,
                                positions=positions[:, :w] if masked else None, tree_mask=masks[w] if masked else None)
                 dt = time.perf_counter() - t0
                 cache.crop(context)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..config import cache_dir
-from ..loading import materialize, resolve_target
+from ..models.loading import materialize, resolve_target
 from ..models.copy_gate import GATE_WEIGHTS_NAME
 from ..models.draft import check_compatible, read_draft_dir
 from ..models.draft_config import DFlashConfig

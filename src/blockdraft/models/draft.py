@@ -457,6 +457,16 @@ def check_compatible(cfg: DFlashConfig, target) -> None:
         raise ValueError("draft does not fit this target: " + "; ".join(problems))
 
 
+def decode_block_size(draft, block_size: int | None = None) -> int:
+    """The block size a draft decodes with: block_size when given, else the one its card recommends for decoding
+    (`decode_block_size` in config.json: a measured choice, e.g. a weak draft on a CPU verifies fewer tokens per
+    step), else the one it was trained with. The one place this rule lives."""
+    bs = block_size or int(draft.config.extra.get("decode_block_size") or draft.block_size)
+    if bs < 1:
+        raise ValueError("block_size must be >= 1")
+    return bs
+
+
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

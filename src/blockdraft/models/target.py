@@ -7,7 +7,8 @@ It exposes what speculative decoding needs and nothing else:
 
 Layer tap convention: feature layer i is the *output of decoder layer i* (0-based), which is what Hugging Face
 returns as `hidden_states[i + 1]` (index 0 there is the embedding output). The features of the K tapped layers are
-concatenated along the hidden dimension: [B, T, K*H].
+concatenated along the hidden dimension: [B, T, K*H]. The layers to tap are passed with each forward (`tap`), so
+several engines can share one target without state left on it; `layer_ids` is only the default of `tap=True`.
 """
 
 from __future__ import annotations
@@ -92,11 +93,12 @@ class TargetModel(nn.Module):
         self.layers = self.decoder.layers
         self.lm_head = hf_model.get_output_embeddings()
         self.embed_tokens = hf_model.get_input_embeddings()
-        self._softcap = getattr(self.config, "final_logit_softcapping", None)
+        # Gemma-style final logit soft-capping (None: none); the draft's head applies the same
+        self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
         # transformers 5.x renames `past_key_values=` to `cache=`; use whichever this version's decoder takes.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
-        self._captured: dict[int, torch.Tensor] | None = None
-        self._hooked: set[int] = set()
+        self._captured: dict[int, torch.Tensor] | None = None  # set only inside an HF-path forward that taps
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}  # layer -> its capture hook (HF path)
         self.layer_ids: tuple[int, ...] = ()
         self.set_layer_ids(layer_ids)
         self._lean_wanted, self._compile = lean, compile
@@ -168,22 +170,40 @@ class TargetModel(nn.Module):
 
     # -------------------------------------------------------------------------------------------------- the tap
     def set_layer_ids(self, layer_ids) -> None:
-        layer_ids = tuple(int(i) for i in layer_ids)
-        for i in layer_ids:
+        """The layers `tap=True` taps (a forward may name others with `tap=layer ids`)."""
+        self.layer_ids = self.taps(layer_ids)
+
+    def taps(self, tap) -> tuple[int, ...]:
+        """A forward's `tap` -> the layer ids it taps: True = `layer_ids`, False / None / () = none, else the ids."""
+        if tap is True:
+            return self.layer_ids
+        if not tap:
+            return ()
+        ids = tuple(int(i) for i in tap)
+        for i in ids:
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"target layer id {i} out of range: the target has {self.num_layers} layers")
-        for i in layer_ids:
-            if i not in self._hooked:
-                self.layers[i].register_forward_hook(self._make_hook(i))
-                self._hooked.add(i)
-        self.layer_ids = layer_ids
+        return ids
 
-    def _make_hook(self, i: int):
+    def _hook_layers(self, ids: tuple[int, ...]) -> None:
+        """Capture hooks on the HF decoder layers `ids` (installed once per layer, kept until `remove_hooks`);
+        a hook records only inside a forward that taps its layer."""
+        for i in ids:
+            if i not in self._hooks:
+                self._hooks[i] = self.layers[i].register_forward_hook(self._capture(i))
+
+    def _capture(self, i: int):
         def hook(_module, _inputs, output):
-            if self._captured is not None and i in self.layer_ids:
+            if self._captured is not None and i in self._captured:
                 self._captured[i] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def remove_hooks(self) -> None:
+        """Remove every capture hook this target put on its HF layers (the HF model is left as it was loaded)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
 
     # ---------------------------------------------------------------------------------------------- primitives
     def new_cache(self) -> TargetCache:
@@ -217,8 +237,8 @@ class TargetModel(nn.Module):
         else:
             bias = self.lm_head.bias[rows] if getattr(self.lm_head, "bias", None) is not None else None
             out = F.linear(hidden, self.lm_head.weight[rows], bias)
-        if self._softcap:
-            out = torch.tanh(out / self._softcap) * self._softcap
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
     @property
@@ -260,13 +280,13 @@ class TargetModel(nn.Module):
     # their inputs for backward, which inference tensors forbid.
     @torch.no_grad()
     def hidden(self, ids: torch.Tensor, cache: TargetCache | None, *, positions: torch.Tensor | None = None,
-               attention_mask: torch.Tensor | None = None, tap: bool = True, tree_mask: torch.Tensor | None = None):
+               attention_mask: torch.Tensor | None = None, tap=True, tree_mask: torch.Tensor | None = None):
         """Final hidden states (before the LM head) and tapped features of new tokens.
 
         ids: [B, T]; positions: [B, T] (default: cache.length .. cache.length + T - 1 for every row);
         attention_mask: [B, cache slots + T] (1 = visible), for batches whose rows have holes or padding;
         tree_mask: [T, T] bool (True = new token i sees new token j; every one sees the whole cache), for a candidate
-        tree (tree.py), with positions = cache length + node depth.
+        tree (tree.py), with positions = cache length + node depth; tap: the layers to tap (`taps`).
         Returns (hidden [B, T, H], features [B, T, K*H] or None).
         """
         assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
@@ -274,11 +294,12 @@ class TargetModel(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         assert positions.shape == ids.shape, "positions must be [B, T] like ids"
+        taps = self.taps(tap)
         if isinstance(cache, KVCache):
             assert attention_mask is None, "the lean path decodes dense rows only (no holes or padding)"
             lean = self.lean
             assert lean is not None, "a KVCache needs the lean path (see new_decode_cache)"
-            return lean(ids, cache, positions, self.layer_ids if tap else (), tree_mask=tree_mask)
+            return lean(ids, cache, positions, taps, tree_mask=tree_mask)
         if tree_mask is not None:
             assert attention_mask is None and ids.shape[0] == 1, "a tree is verified alone (batch 1, no padding)"
             t = ids.shape[1]
@@ -288,7 +309,8 @@ class TargetModel(nn.Module):
             # an additive 4D mask is used as given by the HF attention (eager and sdpa alike)
             attention_mask = torch.zeros(1, 1, t, past + t, dtype=self.dtype, device=ids.device).masked_fill(
                 ~seen, torch.finfo(self.dtype).min)
-        self._captured = {} if (tap and self.layer_ids) else None
+        self._hook_layers(taps)
+        self._captured = dict.fromkeys(taps) if taps else None
         try:
             kw = {self._cache_kw: cache.hf} if cache is not None else {}
             if attention_mask is not None:
@@ -299,18 +321,18 @@ class TargetModel(nn.Module):
             self._captured = None
         feats = None
         if captured is not None:
-            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+            feats = torch.cat([captured[i] for i in taps], dim=-1)
         return out.last_hidden_state, feats
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: TargetCache | None, *, last_only: bool = False,
-                tap: bool = True, positions: torch.Tensor | None = None,
+                tap=True, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None) -> TargetOutput:
         """Run the target over new tokens appended after the cache.
 
         ids: [B, T] int64 at positions cache.length .. cache.length + T - 1 (or `positions` [B, T]).
         last_only: compute logits for the last position only (prefill), saving a [T, V] LM-head product.
-        tap: capture the tapped layers' outputs as features [B, T, K*H].
+        tap: the layers whose outputs are returned as features [B, T, K*H] (`taps`: True = `layer_ids`).
         tree_mask: [T, T] bool, the new tokens form a candidate tree (see `hidden`).
         """
         hidden, feats = self.hidden(ids, cache, tap=tap, positions=positions, tree_mask=tree_mask)
@@ -319,7 +341,7 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward_rows(self, ids: list[torch.Tensor], caches: list, *, positions: list[torch.Tensor] | None = None,
-                     tree_masks: list[torch.Tensor | None] | None = None, tap: bool = True) -> list[TargetOutput]:
+                     tree_masks: list[torch.Tensor | None] | None = None, tap=True) -> list[TargetOutput]:
         """Several sequences at once, each on its own cache: row i feeds ids[i] [T_i] after caches[i] (positions[i]
         [T_i], tree_masks[i] [T_i, T_i] or None) -> one TargetOutput per row (logits [1, T_i, V], features
         [1, T_i, K*H]). On the lean path one forward serves every row (`LeanDecoder.forward_rows`)
@@ -334,7 +356,7 @@ class TargetModel(nn.Module):
                     for x, c, p, m in zip(ids, caches, positions, tree_masks)]
         given = [p for p in positions if p is not None]
         assert not given or len(given) == n, "positions for every row or for none"
-        hidden, feats = lean.forward_rows(ids, caches, given or None, tree_masks, self.layer_ids if tap else ())
+        hidden, feats = lean.forward_rows(ids, caches, given or None, tree_masks, self.taps(tap))
         counts = [int(x.shape[0]) for x in ids]
         parts = self.logits(hidden).split(counts)
         fparts = list(feats.split(counts)) if feats is not None else [None] * n

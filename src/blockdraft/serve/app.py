@@ -18,32 +18,40 @@ Limits: binds 127.0.0.1 by default; optional API key (401); request body limit (
 Retry-After); malformed JSON or wrong types (400); a body not received within --body-timeout seconds (408). A
 client that disconnects (streaming or not) has its row dropped at the next engine step.
 
-Run: `python -m blockdraft.serve.app --target T --draft D ...` (or `blockdraft serve ...` once registered).
+Run: `blockdraft serve --target T --draft D --method M ...` (the options are in cli/serve.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
 import logging
-import os
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
-from .scheduler import QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
-from .schema import APIError, ParsedRequest, RequestParser
+import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
-SERVE_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld")
+from ..decode.spec import DecodeSpec, build_engine
+from ..models.loading import load_draft, load_target, resolve_draft
+from .metrics import ServerMetrics
+from .scheduler import LockedTokenizer, QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
+from .schema import APIError, ParsedRequest, RequestParser
 
 log = logging.getLogger("blockdraft.serve")
 
@@ -74,17 +82,6 @@ def _stats_extra(result, handle: RequestHandle, draft_name: str) -> dict:
 
 def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
     """The Starlette application. The scheduler is started on startup and stopped on shutdown."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
-
-    from starlette.middleware import Middleware
-    from starlette.responses import Response
-
-    from .metrics import ServerMetrics
-
     parser = RequestParser(tokenizer, settings.model_name, settings.max_context, settings.max_tokens_cap,
                            settings.block_size, settings.vocab_size, settings.max_prompt_tokens)
     metrics = ServerMetrics(scheduler.queue_state, lambda: scheduler.engine.plain_steps)
@@ -318,55 +315,6 @@ class _CountResponses:
             self.metrics.count_response(scope["path"], status)
 
 
-# ---------------------------------------------------------------------------------------- command line
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
-    p.add_argument("--draft", default=None,
-                   help="draft directory, 'none' for plain decoding, 'pld' for prompt lookup (default: shipped)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
-                   help="weights mode (see `blockdraft generate --help`); the batched engine runs the target's HF "
-                        "modules, so only its LM head takes the quantized weights")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per verify step (default: the draft's)")
-    p.add_argument("--denoise-steps", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one; printed at start)")
-    p.add_argument("--api-key", default=os.environ.get("BLOCKDRAFT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $BLOCKDRAFT_API_KEY, else none)")
-    p.add_argument("--method", default="dflash", choices=SERVE_METHODS,
-                   help="how the draft proposes: dflash = one block per step; dflash-tree / dflash+lookup = candidate "
-                        "trees (with prompt-lookup branches), sized per step from this target's verify cost; pld = "
-                        "prompt lookup alone (no draft)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--batch-policy", default="measured", choices=["measured", "always"],
-                   help="with several sequences active: measured = each step drafts only when this target's "
-                        "measured verify cost says it commits more tokens per second than a plain step (a wide "
-                        "verify of many rows is compute-bound on a CPU); always = every step drafts")
-    p.add_argument("--draft-max-batch", type=int, default=0,
-                   help="never draft while more than this many sequences are active (0: no cap)")
-    p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond max-batch (then 429)")
-    p.add_argument("--max-tokens-cap", type=int, default=512, help="upper bound on max_tokens per request")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048,
-                   help="longest prompt accepted (then 400): a prompt is prefilled inside one step, during which no "
-                        "other stream moves (0: only the target's context bounds prompts)")
-    p.add_argument("--max-step-tokens", type=int, default=None,
-                   help="verified positions per step shared by all rows (default: no limit, full blocks)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (then 413)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds allowed to receive a request body (then 408; guards against stalled uploads)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # testing aid
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the `serve` subcommand to a CLI's subparsers."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
-    add_serve_args(p)
-    p.set_defaults(func=serve_main)
-    return p
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -377,66 +325,46 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_server(args):
-    """Load the model and build (app, settings). Separate from serve_main so that tests and benchmarks can reuse it."""
-    import torch
-
-    from ..decode.engine import Engine
-    from ..loading import build_engine, build_tree_engine, load_target, resolve_draft
-    from .scheduler import LockedTokenizer
-
+    """Load the model and build (app, settings) from parsed `blockdraft serve` options (cli/serve.py). Separate from
+    serve_main so that tests and benchmarks can reuse it."""
     if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
         raise ValueError("--max-batch and --max-tokens-cap must be >= 1, --max-queue >= 0, --max-body-bytes >= 1")
-    if getattr(args, "max_prompt_tokens", 0) < 0:
+    if args.max_prompt_tokens < 0:
         raise ValueError("--max-prompt-tokens must be >= 0 (0: only the target's context bounds prompts)")
     if not args.body_timeout > 0:
         raise ValueError("--body-timeout must be > 0 seconds")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    spec = DecodeSpec(method=args.method, block_size=args.block_size, denoise_steps=args.denoise_steps,
+                      tree_budget=args.tree_budget, draft_weights=args.draft_weights,
+                      batch_policy=args.batch_policy, recalibrate=args.recalibrate)
+    if args.draft is not None and args.draft.lower() in ("pld", "lookup"):  # prompt lookup needs no draft
+        spec = dataclasses.replace(spec, method="pld")
     target, src = load_target(args.target, args.dtype, weights=args.weights)
     if target.tokenizer is None:
         raise ValueError("the server needs the target's tokenizer")
     tokenizer = LockedTokenizer(target.tokenizer)
-    kw = dict(tokenizer=tokenizer, max_batch=args.max_batch, max_step_tokens=getattr(args, "max_step_tokens", None),
-              draft_max_batch=getattr(args, "draft_max_batch", 0) or None)
-    method = getattr(args, "method", "dflash")
-    if method not in SERVE_METHODS:
-        raise ValueError(f"--method must be one of {', '.join(SERVE_METHODS)}, got {method!r}")
-    draft_path = None
-    if args.draft is not None and args.draft.lower() in ("pld", "lookup"):  # prompt lookup needs no draft
-        method = "pld"
-    elif method != "pld":
-        draft_path = resolve_draft(args.draft, src.name)
-    if method == "pld":
-        from ..decode.proposers.lookup import PromptLookupProposer
-
-        engine, draft_name = Engine(target, PromptLookupProposer(block_size=args.block_size or 16), **kw), "pld"
-    elif draft_path is None:
-        engine, draft_name = Engine(target, None, **kw), "none"
-    elif method == "dflash":
-        engine = build_engine(target, draft_path, args.block_size, args.denoise_steps, **kw)
-        draft_name = draft_path.name
-    else:
-        engine = build_tree_engine(target, draft_path, lookup=method == "dflash+lookup", block_size=args.block_size,
-                                   **kw)
-        draft_name = f"{draft_path.name} ({method})"
-    if getattr(args, "batch_policy", "measured") == "measured" and engine.proposer.name != "ar":
-        from ..decode.calibrate import load_or_measure
-
-        # the target's verify cost per width (cached per machine; measured now, ~30 s, if there is none)
-        engine.batch_cost = load_or_measure(target)
+    path = resolve_draft(args.draft, src.name) if spec.entry.draft is not None else None
+    # the target's verify cost per width, if the spec needs it: cached per machine, measured now (~30 s) if not
+    engine = build_engine(target, load_draft(path, target) if path is not None else None, spec, tokenizer=tokenizer,
+                          max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
+                          draft_max_batch=args.draft_max_batch or None)
+    method = engine.spec.method
+    draft_name = method if path is None else path.name if method == "dflash" else f"{path.name} ({method})"
+    if method == "ar":
+        draft_name = "none"
     scheduler = Scheduler(engine, max_queue=args.max_queue, step_delay=args.debug_step_delay)
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
                               vocab_size=target.vocab_size, api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                               block_size=args.block_size, body_timeout=args.body_timeout,
-                              max_prompt_tokens=getattr(args, "max_prompt_tokens", 0) or None)
+                              max_prompt_tokens=args.max_prompt_tokens or None)
     return create_app(scheduler, tokenizer, settings), settings
 
 
 def serve_main(args) -> int:
-    import uvicorn
-
+    """Run the server of parsed `blockdraft serve` options until SIGINT / SIGTERM."""
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this address can use the server", args.host)
     app, settings = build_server(args)
@@ -475,21 +403,3 @@ def serve_main(args) -> int:
     scheduler.run()  # returns once the HTTP side has shut down and stopped it
     thread.join()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.serve.app", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="store_true")
-    add_serve_args(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return serve_main(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

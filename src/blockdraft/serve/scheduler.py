@@ -22,9 +22,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..decode.engine import Engine
 from ..config import GenerationConfig, SamplingParams
-from ..decode.engine import GenerationResult
+from ..decode.engine import Engine
+from ..decode.stats import DecodeStats, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +335,6 @@ class Scheduler:
 
 
 def _empty_stats(handle: RequestHandle):
-    from ..decode.engine import DecodeStats
-
     return DecodeStats(prompt_tokens=len(handle.prompt_ids))
 
 

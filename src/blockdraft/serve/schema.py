@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import GenerationConfig, SamplingParams
+from ..models.loading import encode_prompt
 
 MAX_STOP_SEQUENCES = 4
 
@@ -260,8 +261,6 @@ class RequestParser:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages",
                            code="no_chat_template")
-        from ..loading import encode_prompt
-
         try:
             return encode_prompt(self.tokenizer, clean)
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation (e.g. role order)

@@ -25,11 +25,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from blockdraft.eval.tasks.base import Prompt, package_data_path, read_prompts_jsonl
+from blockdraft.prompts.base import Prompt, package_data_path, read_prompts_jsonl
 
 from .records import ShardWriter, read_shards
 from ..config import GenerationConfig, SamplingParams
-from ..decode.engine import Engine
+from ..decode.spec import DecodeSpec, build_engine
 from ..models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def gsm_prompts(n: int, seed: int = 1) -> list[Prompt]:
     """`n` math word problems for training: ~60% gsm_symbolic items from the templates *not* used by the math eval
     task (and with different seeds), the rest spread over other reasoning-gym arithmetic generators for variety.
     Deterministic for (n, seed); a generator that fails to load is replaced by more gsm_symbolic items."""
-    from blockdraft.eval.tasks.math import gsm_symbolic_items, gsm_template_split
+    from blockdraft.prompts.math import gsm_symbolic_items, gsm_template_split
 
     if n <= 0:
         return []
@@ -219,7 +219,7 @@ def prompt_key(p: Prompt) -> str:
 
 def _boilerplate() -> tuple[str, ...]:
     """Instruction text our eval tasks add around the real question; it must not count as overlap."""
-    from blockdraft.eval.tasks import code
+    from blockdraft.prompts import code
 
     return ("Give the result as your final answer. Do not include units.", code.INSTRUCTION)
 
@@ -259,7 +259,7 @@ class Decontaminator:
 @lru_cache(maxsize=1)
 def eval_decontaminator() -> Decontaminator:
     """Reference n-grams of every eval prompt (math, code, chat): each user message and every extra turn."""
-    from blockdraft.eval.tasks import TASKS
+    from blockdraft.prompts import TASKS
 
     refs = []
     for loader in TASKS.values():
@@ -296,7 +296,7 @@ def build_prompt_set(sources: Iterable[Iterable[Prompt]] | Mapping[str, Iterable
 
     * dedupe: prompts with the same normalised text (all roles/turns) keep their first occurrence;
     * decontamination (on by default): drop prompts whose user text shares a 13-word n-gram with, or equals, any
-      eval prompt (`blockdraft.eval.tasks`: math, code, chat);
+      eval prompt (`blockdraft.prompts`: math, code, chat);
     * split: a prompt is held out iff a hash of (seed, its normalised text) falls under `heldout_fraction` - stable
       under adding or removing other prompts. Input order is kept in both lists.
     Prompt ids must be unique across sources (a clash with different text raises ValueError).
@@ -436,8 +436,8 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     rep.already_done = sum(1 for pid in todo_ids if pid in writer.done)
     remaining = len(todo_ids) - rep.already_done
     eos = _eos_ids(model, tokenizer)
-    engine = Engine(TargetModel(model, tokenizer, lean=lean, weights=weights), None, tokenizer,
-                    max_batch=max(1, batch_size))
+    engine = build_engine(TargetModel(model, tokenizer, lean=lean, weights=weights), None, DecodeSpec("ar"),
+                          tokenizer=tokenizer, max_batch=max(1, batch_size))
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos), ignore_eos=True)
 
     bar = None
@@ -593,7 +593,7 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     """
     import torch
 
-    from blockdraft.loading import load_hf_target
+    from ..models.loading import load_hf_target
     from blockdraft.models.quant import plan_weights
 
     if only_task not in (None, "sharegpt", "gsm", "jsonl"):

@@ -141,4 +141,4 @@ def eagle_sample_loss(module: nn.Module, target: TargetModel, record: dict, feat
         # only labelled rows go through the LM head (prompt rows are computed: later rows attend to them)
         return block_loss(hidden[valid], labels[valid], step[valid], decay ** step[valid].float(),
                           target.lm_head.weight, steps + 1, cfg.loss_chunk_rows,
-                          softcap=getattr(target, "_softcap", None))
+                          softcap=target.softcap)

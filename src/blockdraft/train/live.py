@@ -24,9 +24,7 @@ from .features import OfflineFeatures, OnlineFeatures
 from .loss import block_loss
 from .precision import autocast
 from ..config import GenerationConfig
-from ..decode.engine import Engine
-from ..decode.proposers.dflash import DFlashProposer
-from ..decode.proposers.eagle import EagleProposer
+from ..decode.spec import DecodeSpec, build_engine
 from .eagle import EagleTrainModule, eagle_sample_loss
 
 
@@ -97,7 +95,7 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
         gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(draft_cfg.block_size))
         out = block_loss(hidden, labels, offsets, loss_weights(offsets, gamma),
                          head, draft_cfg.block_size, cfg.loss_chunk_rows,
-                         softcap=getattr(target, "_softcap", None))
+                         softcap=target.softcap)
     out.correct, out.counted = out.correct.cpu(), out.counted.cpu()
     return out
 
@@ -158,7 +156,7 @@ def batch_loss(module: nn.Module, target: TargetModel, records: list[dict], feat
         flat_offsets = offsets.reshape(-1).to(dev)
         out = block_loss(hidden.reshape(-1, hidden.shape[-1]), labels, flat_offsets,
                          loss_weights(flat_offsets, gamma), head, bs, cfg.loss_chunk_rows,
-                         softcap=getattr(target, "_softcap", None))
+                         softcap=target.softcap)
     out.correct, out.counted = out.correct.cpu(), out.counted.cpu()
     return out
 
@@ -183,8 +181,7 @@ def evaluate_tau(target: TargetModel, draft: nn.Module, prompts: list[list[int]]
     d = type(draft)(draft.config)
     d.load_state_dict(draft.state_dict())
     d = d.to(target.dtype).eval()
-    proposer = DFlashProposer(d, target) if isinstance(d, DFlashDraftModel) else EagleProposer(d, target)
-    eng = Engine(target, proposer)
+    eng = build_engine(target, d, DecodeSpec("dflash"))  # an EAGLE draft decodes its own chain
     steps = committed = 0
     for p in prompts:
         res = eng.generate(p, GenerationConfig(max_new_tokens=max_new_tokens))

@@ -35,7 +35,7 @@ from .checkpoint import export_draft, latest_checkpoint, load_checkpoint, save_c
 from .config import INITS, TrainConfig
 from .precision import compute_dtype, dtype_name
 from .records import load_records
-from ..loading import default_mask_token_id, load_target
+from ..models.loading import default_mask_token_id, load_target
 from .cached import CachedObjective, frequent_greedy_tokens, open_caches
 from .eagle import make_eagle_draft
 from .live import LiveObjective, frequent_tokens

@@ -9,7 +9,7 @@ Sources (each deterministic for its seed; all merged, deduplicated and decontami
 - `evals`: the chat prompts of the OpenAI `evals` registry data files (hundreds of small tasks of every kind);
 - `instruct`: everyday instructions, explanations, writing and small coding tasks in several languages, each task
   phrased several ways.
-The eval tasks (`blockdraft.eval.tasks`: the benchmark's math/code/chat and the `user-*` prompts) are the
+The eval tasks (`blockdraft.prompts`: the benchmark's math/code/chat and the `user-*` prompts) are the
 decontamination references, so none of these ever shares a 13-word n-gram with an evaluation prompt.
 """
 
@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Sequence
 
-from blockdraft.eval.tasks.base import Prompt
+from blockdraft.prompts.base import Prompt
 
 from .data import TRAIN_SEED_OFFSET, build_prompt_set, gsm_prompts, sharegpt_conversations, sharegpt_prompts
 

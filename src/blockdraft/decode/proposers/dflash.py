@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from ...models.cache import KVCache
 from ...config import SamplingParams
 from ...models.copy_gate import gated_ids, gated_logits, gated_probs_to_vocab
-from ...models.draft import DFlashDraftModel, check_compatible
+from ...models.draft import DFlashDraftModel, check_compatible, decode_block_size
 from ...models.draft_lean import LeanDraft
 from ...models.lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
@@ -20,33 +19,23 @@ from . import Proposal, Proposer
 from ...models.ngram import lookup_continuation
 
 
-ADAPT_EXPLORE_EVERY = 8  # with an adaptive width: steps without drafting before one full block is tried again
-
-
 class DFlashProposer(Proposer):
     name = "dflash"
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, block_size: int | None = None,
-                 denoise_steps: int = 1, lean: bool | LeanDraft = True, verify_cost=None) -> None:
-        """lean: run the draft through `LeanDraft` (fused, prepacked weights; a snapshot of the draft's weights
-        now), else through the module (the reference the tests compare with); a LeanDraft of this draft is shared
-        as it is (it holds no per-sequence state: the batched engine's per-row clones use one).
-        verify_cost: a `calibrate.VerifyCost` of this target; given, each step drafts the number of tokens (0 to
-        block_size - 1) that maximises expected committed tokens per second (`choose_width`), else always
-        block_size - 1."""
+                 denoise_steps: int = 1, lean: bool | LeanDraft = True, draft_weights: str = "bf16") -> None:
+        """block_size: at most block_size - 1 drafts per step (None: `draft.decode_block_size`; the engine's width
+        policy chooses how many of them a step drafts). lean: run the draft through `LeanDraft` (fused, prepacked
+        weights in `draft_weights`, "bf16" or "int8"; a snapshot of the draft's weights now), else through the
+        module (the reference the tests compare with); a LeanDraft of this draft is shared as it is (it holds no
+        per-sequence state: the batched engine's per-row clones use one)."""
         check_compatible(draft.config, target)
-        # default: the block size the draft's card recommends for decoding (a measured choice, e.g. a weak draft
-        # on a CPU verifies fewer tokens per step), else the one it was trained with
-        bs = block_size or int(draft.config.extra.get("decode_block_size") or draft.block_size)
-        if bs < 1:
-            raise ValueError("block_size must be >= 1")
+        bs = decode_block_size(draft, block_size)
         if denoise_steps < 1:
             raise ValueError("denoise_steps must be >= 1")
         self.draft, self.target = draft, target
         self.block_size = bs
         self.denoise_steps = denoise_steps
-        self.verify_cost = verify_cost
-        self._reset_rates()
         # A draft trained with --no-target-features (the paper's ablation) has no context: the block sees itself only.
         self.use_context = not draft.config.extra.get("no_target_features", False)
         self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
@@ -55,13 +44,10 @@ class DFlashProposer(Proposer):
         self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
         self.ctx = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, capacity=512,
                            dtype=draft.dtype, device=target.device)
-        # a target on quantized weights gets an 8-bit draft: the draft reads as many bytes per step as a good share
-        # of the target, and its proposals barely move (verification keeps the output exact either way)
-        quantized = getattr(getattr(target, "weights", None), "mode", "bf16") != "bf16"
         if isinstance(lean, LeanDraft) or not lean:
             self.lean = lean or None
         else:
-            self.lean = LeanDraft(draft, weights="int8" if quantized else "bf16")
+            self.lean = LeanDraft(draft, weights=draft_weights)
         # A draft with `next_token_feature` also reads, at each context position, the embedding of the token after
         # it; for the newest position that token (the next anchor) is only known when drafting starts, so its
         # features wait in `_pending` until then.
@@ -78,7 +64,7 @@ class DFlashProposer(Proposer):
         """Another sequence's proposer around the same draft: the fused weights (and the reduced head) are shared,
         the context cache and acceptance rates are its own."""
         other = DFlashProposer(self.draft, self.target, self.block_size, self.denoise_steps,
-                               lean=self.lean if self.lean is not None else False, verify_cost=self.verify_cost)
+                               lean=self.lean if self.lean is not None else False)
         other._head = self._head
         return other
 
@@ -109,38 +95,10 @@ class DFlashProposer(Proposer):
         nxt = tokens[start + 1: start + 1 + feats.shape[1]] if self.next_token else None
         self._append_context(feats, nxt)
 
-    # ------------------------------------------------------------------------------------ how many to draft
-    def _reset_rates(self) -> None:
-        g = max(0, self.block_size - 1)
-        # running conditional acceptance per draft position: a prior of one accept in two trials (50%)
-        self._accepted, self._trials = [1.0] * g, [2.0] * g
-        self._draft_seconds: float | None = None  # running mean of one draft forward, measured
-        self._last_drafted = 0
-        self._skip_run = 0
-        self.widths: list[int] = []  # tokens drafted per step (adaptive width)
-
-    def choose_width(self, limit: int) -> int:
-        """Tokens to draft now, 0..limit: the g maximising (1 + sum_i P(first i drafts accepted)) / (verify(g+1)
-        + draft time if g > 0), from the calibration, the measured draft time and the running per-position
-        acceptance. After ADAPT_EXPLORE_EVERY steps without drafting, one full block is drafted to measure again."""
-        if self.verify_cost is None or limit <= 0:
-            return max(0, limit)
-        if self._draft_seconds is None or self._skip_run >= ADAPT_EXPLORE_EVERY:
-            return limit
-        best, best_rate, reach, expected = 0, 1.0 / self.verify_cost.chain(1), 1.0, 1.0
-        for g in range(1, limit + 1):
-            reach *= self._accepted[g - 1] / self._trials[g - 1]
-            expected += reach
-            rate = expected / (self.verify_cost.chain(g + 1) + self._draft_seconds)
-            if rate > best_rate:
-                best, best_rate = g, rate
-        return best
-
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         self.ctx.reset()
         self._pending = []
-        self._reset_rates()
         if self.use_context:
             assert features is not None and features.dim() == 3, "DFlash needs the prompt's features [1, n0, K*H]"
             self._add(features)
@@ -149,11 +107,6 @@ class DFlashProposer(Proposer):
     def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
         assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
         self._add(features)
-        a, g = num_committed - 1, self._last_drafted
-        for i in range(min(a + 1, g)):  # positions 0..a-1 accepted; position a (if drafted) rejected
-            self._trials[i] += 1
-            self._accepted[i] += i < a
-        self._last_drafted = 0
 
     def _scores(self, tokens: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, Callable, Callable]:
         """tokens [n] committed, block [g+1] (anchor = tokens[-1], then MASK or fixed tokens) -> (scores [g, Vs]
@@ -179,7 +132,7 @@ class DFlashProposer(Proposer):
         k = torch.arange(1, g + 1, device=tokens.device)
         scores = gated_logits(logits, hidden, self.gate, copy, torch.full_like(k, max(n, 1)), k,
                               self.target.lm_head.weight, self._vocab_map,
-                              softcap=getattr(self.target, "_softcap", None))
+                              softcap=self.target.softcap)
         vd = logits.shape[1]
         return (scores, (lambda i: gated_ids(i, copy, vocab_ids, vd)),
                 (lambda p: gated_probs_to_vocab(p, copy, vocab_ids, v)))
@@ -197,7 +150,7 @@ class DFlashProposer(Proposer):
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., Vd] (Vd = V unless the draft vocabulary is reduced)."""
-        if (self.vocab_ids is None or getattr(self.target, "_softcap", None)
+        if (self.vocab_ids is None or self.target.softcap
                 or getattr(self.target, "quantized_head", False)):  # the quantized head's rows, gathered once
             return self.target.logits(hidden, self.vocab_ids)
         if self._head is None:
@@ -242,7 +195,6 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        t0 = time.perf_counter()
         block = self._open(tokens, num_draft)
         if block is None:
             return Proposal(tokens.new_zeros(0), None)
@@ -284,28 +236,20 @@ class DFlashProposer(Proposer):
                 q[chosen] = probs[chosen]
             fixed[chosen] = True
             block[1:][chosen] = cand[chosen]
-        self._close(g, time.perf_counter() - t0)
         return Proposal(out, q)
 
     def _open(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
-        """Start a proposal after tokens [n]: choose its width g, bring the draft's context up to date, and return
-        the block [g + 1] (the anchor, then MASK), or None when this step drafts nothing."""
-        g = self.choose_width(min(num_draft, self.block_size - 1))
-        self.widths.append(g)
+        """Start a proposal of g = min(num_draft, block_size - 1) tokens after tokens [n]: bring the draft's context
+        up to date and return the block [g + 1] (the anchor, then MASK), or None when this step drafts nothing."""
+        g = min(num_draft, self.block_size - 1)
         if g <= 0:
-            self._skip_run += 1
             return None
-        self._skip_run = 0
         n = tokens.shape[0]
         self._flush(tokens)
         assert self.ctx.length == (n - 1 if self.use_context else 0), "draft context out of step with the target"
         block = torch.full((g + 1,), self.draft.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0] = tokens[-1]
         return block
-
-    def _close(self, g: int, seconds: float) -> None:
-        self._draft_seconds = seconds if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * seconds
-        self._last_drafted = g
 
     @classmethod
     @torch.no_grad()
@@ -323,7 +267,6 @@ class DFlashProposer(Proposer):
             else:
                 groups.setdefault(id(p.lean), []).append(i)
         for rows in groups.values():
-            t0 = time.perf_counter()
             blocks = {i: proposers[i]._open(tokens[i], num_drafts[i]) for i in rows}
             for i in rows:
                 if blocks[i] is None:
@@ -353,7 +296,4 @@ class DFlashProposer(Proposer):
                 else:
                     probs = logits_to_probs(scores, smp)
                     out[i] = Proposal(to_ids(sample(probs, generators[i])), to_vocab(probs))
-            dt = time.perf_counter() - t0
-            for i in rows:
-                proposers[i]._close(blocks[i].shape[0] - 1, dt)
         return out

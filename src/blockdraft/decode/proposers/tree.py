@@ -27,7 +27,7 @@ deepest accepted lookup branch (what the draft's nodes added); until such a step
 the draft's nodes stand in. The draft's probabilities are over-confident where a copy is long (they add ~0.1 tokens
 per step on code, while their scores promise more), which a predicted G would not notice. When the draft cannot pay
 for itself (a long, reliable copy), the step verifies the lookup branches alone; the draft's context is still
-extended with every accepted token, so the next step can use it again, and after EXPLORE_EVERY skips in a row one
+extended with every accepted token, so the next step can use it again, and after EXPLORE_ROW skips in a row one
 step runs the draft anyway, so that G keeps being measured as the text changes. A step without the draft verifies
 the first lookup branch alone (prompt lookup's own proposal) as a causal chain, priced by the calibration's chain
 curve: a second branch's running rate overstates it where the context has been followed by two different
@@ -47,6 +47,7 @@ import torch
 
 from ...config import SamplingParams
 from ..tree import Tree, build_tree
+from ..policy import EXPLORE_ROW, Explorer, RunningMean, TreeStepCosts, lookup_draft_pays
 from . import TreeProposerBase
 from .dflash import DFlashProposer
 from ...models.ngram import find_continuations
@@ -54,7 +55,6 @@ from ...models.ngram import find_continuations
 MAX_BUDGET = 63  # nodes below the root: verify widths up to 64, the calibrated range
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth two observations
 SCALE_PRIOR = 2.0  # the draft-confidence factor starts at 1, worth this many predicted acceptances
-EXPLORE_EVERY = 8  # after this many draft skips in a row, run the draft once to measure its gain again
 
 
 class TreeProposer(TreeProposerBase):
@@ -81,7 +81,7 @@ class TreeProposer(TreeProposerBase):
         self.lookup_branches, self.max_ngram, self.min_ngram = lookup_branches, max_ngram, min_ngram
         self.block_size = max(self.draft_depth, self.lookup_depth) + 1  # the engine's depth limit is block_size - 1
         self.max_nodes = 1 + (budget if budget is not None else max_budget)
-        self._draft_s: float | None = None  # running mean of the draft forward's time, for the budget choice
+        self._draft_s = RunningMean()  # the draft forward's time, for the budget choice
         self._cost_base: dict[tuple[bool, int], list[float]] = {}  # verify times per node count (`_costs`)
         self._lookups: list[list[int]] = []
         self._ngrams: list[int] = []  # the matched n-gram length of each lookup branch
@@ -92,7 +92,7 @@ class TreeProposer(TreeProposerBase):
         """Another sequence's tree proposer: the same settings and draft weights, its own rates and draft state."""
         other = copy.copy(self)
         other.draft = self.draft.fork() if self.draft is not None else None
-        other._draft_s, other._lookups, other._ngrams = None, [], []
+        other._draft_s, other._lookups, other._ngrams = RunningMean(), [], []
         other._reset_rates()
         return other
 
@@ -100,8 +100,9 @@ class TreeProposer(TreeProposerBase):
         # [matched n-gram length][0: a branch's first token, 1: the tokens after it]
         self._hits = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
         self._trials = [[0.0, 0.0] for _ in range(self.max_ngram + 1)]
-        self._gain: tuple[float, float] | None = None  # running (predicted G, draft nodes), steps with both
-        self._measured: float | None = None  # running measured G: tokens committed beyond the lookup branches
+        # steps with both lookup branches and draft nodes: the draft's predicted G and its node count, and the
+        # measured G (tokens committed beyond the lookup branches)
+        self._predicted, self._draft_nodes, self.measured_gain = RunningMean(), RunningMean(), RunningMean()
         self._both = False  # this step's tree holds lookup branches and draft nodes
         # per draft depth: accepted draft nodes, and the draft's summed probability of them, over the nodes whose
         # parent was accepted (greedy runs only); their ratio scales the draft's probabilities as node scores
@@ -109,7 +110,7 @@ class TreeProposer(TreeProposerBase):
         self._d_pred = [0.0] * max(1, self.draft_depth)
         self._q: torch.Tensor | None = None
         self._greedy = True
-        self._skip_run = 0  # draft skips in a row
+        self._explorer = Explorer(EXPLORE_ROW)  # draft skips in a row
         self.draft_skips = 0
 
     # ---------------------------------------------------------------------------------------------- life cycle
@@ -141,13 +142,12 @@ class TreeProposer(TreeProposerBase):
         root = int(tokens[-1])
         q, top = None, None
         d_draft = min(max_depth, self.draft_depth)
-        if d_draft > 0 and self._lookups and self.budget is None and self._gain is not None:
-            if self._skip_run < EXPLORE_EVERY and not self._draft_pays(root, budget, conf, max_depth):
+        if d_draft > 0 and self._lookups and self.budget is None and self._predicted.value is not None:
+            runs = self._explorer.due or self._draft_pays(root, budget, conf, max_depth)
+            self._explorer.record(runs)
+            if not runs:
                 d_draft = 0
                 self.draft_skips += 1
-                self._skip_run += 1
-            else:
-                self._skip_run = 0
         self._both = d_draft > 0 and bool(self._lookups)
         self._q = None
         if d_draft == 0 and self._lookups and self.budget is None:
@@ -161,17 +161,17 @@ class TreeProposer(TreeProposerBase):
             t0 = time.perf_counter()
             q, top = self.draft.distributions_top(tokens, d_draft, sampling, self.top_k + len(self._lookups))
             dt = time.perf_counter() - t0
-            self._draft_s = dt if self._draft_s is None else 0.8 * self._draft_s + 0.2 * dt
+            self._draft_s.update(dt)
         self._q, self._greedy = q, sampling.greedy
         tree = build_tree(root, q, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
                           max_depth=max_depth, sample=not sampling.greedy, generator=generator,
-                          costs=None if self.budget is not None else self._costs(self._draft_s or 0.0, budget),
+                          costs=None if self.budget is not None else self._costs(self._draft_s.value or 0.0, budget),
                           draft_scale=self.draft_scale() if sampling.greedy else None, top=top)
         if q is not None and self._lookups:
             drafted = ~tree.point_mass[1:]
             g, n = float(tree.score[1:][drafted].sum()), float(drafted.sum())
-            old = self._gain or (g, n)
-            self._gain = (0.8 * old[0] + 0.2 * g, 0.8 * old[1] + 0.2 * n)
+            self._predicted.update(g)
+            self._draft_nodes.update(n)
         return tree
 
     def _lookup_only(self, root: int, budget: int, conf: list[list[float]], max_depth: int) -> float:
@@ -186,13 +186,12 @@ class TreeProposer(TreeProposerBase):
         """Whether running the draft is expected to raise tokens per second over the lookup branches alone."""
         t = build_tree(root, None, budget=budget, top_k=self.top_k, lookups=self._lookups, lookup_conf=conf,
                        max_depth=max_depth, costs=self._costs(0.0, budget))
-        b = t.num_nodes - 1
-        rate = self._lookup_only(root, budget, conf, max_depth)
-        gain, nodes = self._gain
-        if self._measured is not None:
-            gain = self._measured
-        cost = (self._draft_s or 0.0) + self.verify_cost(1 + b + round(nodes))
-        return (t.expected + gain) / cost > rate
+        measured = self.measured_gain.value
+        costs = TreeStepCosts(lookup_expected=t.expected, lookup_nodes=t.num_nodes - 1,
+                              lookup_rate=self._lookup_only(root, budget, conf, max_depth),
+                              gain=measured if measured is not None else self._predicted.value,
+                              draft_nodes=self._draft_nodes.value, draft_seconds=self._draft_s.value or 0.0)
+        return lookup_draft_pays(costs, self.verify_cost)
 
     def _costs(self, fixed: float, budget: int, chain: bool = False) -> list[float]:
         """[fixed + verify time of b nodes and the root] for b = 0..budget (build_tree's `costs`); the calibration's
@@ -240,7 +239,7 @@ class TreeProposer(TreeProposerBase):
                 reach = max(reach, d + 1)
         if self._both:  # what the draft's nodes added this step (path[0] is the root)
             extra = float(len(path) - 1 - reach)
-            self._measured = extra if self._measured is None else 0.8 * self._measured + 0.2 * extra
+            self.measured_gain.update(extra)
 
     def describe(self) -> dict:
         """What the stats report about this proposer's tree settings."""

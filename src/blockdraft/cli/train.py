@@ -1,152 +1,26 @@
-"""Command-line entry points. Argument parsing only: each subcommand calls the library and prints.
-
-Each subcommand imports the library code it runs, so building the parser loads only what registering the `bench`
-and `serve` subcommands needs."""
+"""The training-side subcommands: init-draft, data, wide-prompts, pack, features, train, teacher-cache, export and
+heldout-tau. Each imports the library code it runs, so building the parser stays cheap."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
+from ..train import heldout
+from .options import add_dtype, add_target, add_weights
+
 log = logging.getLogger("blockdraft")
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF id, local dir or .gguf file (default: packaged SmolLM2-135M)")
-    p.add_argument("--draft", default=None, help="draft directory, 'none' for plain decoding (default: shipped)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    _weights_arg(p)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per verify step (default: the draft's recommended decode block size, else its trained "
-                        "size)")
-    p.add_argument("--denoise-steps", type=int, default=1)
-    p.add_argument("--hf-path", action="store_true",
-                   help="decode through the target's HF modules and dynamic cache instead of the lean path")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the lean path's dense layers (minutes of compile; not faster on our CPU)")
-    p.add_argument("--fixed-width", action="store_true",
-                   help="always draft block size - 1 tokens (default: choose 0 .. block size - 1 per step from the "
-                        "measured verify cost, the draft's time and its acceptance so far, skipping the draft where "
-                        "it does not pay)")
-    p.add_argument("--tree", action="store_true",
-                   help="verify a tree of the draft's best candidates per step instead of its top-1 chain")
-    p.add_argument("--tree-lookup", action="store_true",
-                   help="a tree with prompt-lookup continuations as extra branches (implies --tree)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="candidate nodes per tree (default: chosen per step from a measured verify-cost curve, "
-                        "cached in ~/.cache/blockdraft/calibration; fix it for exactly repeatable seeded sampling)")
-    p.add_argument("--tree-recalibrate", action="store_true",
-                   help="measure the verify-cost curve again (e.g. it was cached while the machine was busy)")
-
-
-def _weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
-                   help="weights of the fast path: auto = a GGUF target's own quantization (4-bit / 8-bit blocks "
-                        "mapped exactly), any other target float; bf16 = float weights (fp32 with --dtype fp32); "
-                        "int8 / int4 = quantized from the float weights (opt-in, groups of 32)")
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--no-chat-template", action="store_true")
-
-
-def _load(args):
-    import torch
-
-    from .config import GenerationConfig, SamplingParams
-    from .loading import build_engine, build_tree_engine, load_target, resolve_draft
-
-    torch.set_grad_enabled(False)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                               denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
-    target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile,
-                              weights=args.weights)
-    draft = resolve_draft(args.draft, src.name)
-    if args.tree or args.tree_lookup:
-        engine = build_tree_engine(target, draft, lookup=args.tree_lookup, budget=args.tree_budget,
-                                   block_size=args.block_size, recalibrate=args.tree_recalibrate)
-    else:
-        engine = build_engine(target, draft, args.block_size, args.denoise_steps, adaptive=not args.fixed_width,
-                              recalibrate=args.tree_recalibrate)
-    log.info("target=%s draft=%s dtype=%s weights=%s %s %s", src.name, draft or "none", args.dtype,
-             target.weights.describe(), gen_cfg, sampling)
-    return engine, gen_cfg, sampling, draft
-
-
-def _stats_line(res) -> str:
-    s = res.stats
-    return (f"[{s.new_tokens} tokens, tau {s.tau:.2f}, {s.target_forwards} target forwards, "
-            f"decode {s.decode_tokens_per_s:.1f} tok/s, {s.total_seconds:.2f} s, "
-            f"draft {s.draft_seconds:.2f} s / verify {s.verify_seconds:.2f} s"
-            + (f", {sum(s.tree_nodes) / max(1, len(s.tree_nodes)):.1f} tree nodes per step (budget "
-               f"{s.tree['budget']})" if s.tree else "") + "]")
-
-
-def cmd_generate(args) -> int:
-    from .loading import encode_prompt
-
-    engine, gen_cfg, sampling, draft = _load(args)
-    ids = encode_prompt(engine.tokenizer, args.prompt, not args.no_chat_template)
-    if args.json:
-        res = engine.generate(ids, gen_cfg, sampling)
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-                          "draft": str(draft) if draft else None, "tau": res.stats.tau,
-                          "accept_lengths": res.stats.accept_lengths, "target_forwards": res.stats.target_forwards,
-                          "seconds": res.stats.total_seconds, "stats": res.stats.to_dict()}))
-        return 0
-    gen = engine.stream(ids, gen_cfg, sampling)
-    for delta in gen:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    print(_stats_line(gen.result), file=sys.stderr)
-    return 0
-
-
-def cmd_chat(args) -> int:
-    from .loading import encode_prompt
-
-    engine, gen_cfg, sampling, _ = _load(args)
-    messages: list[dict] = []
-    print("blockdraft chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        if line == "/reset":
-            messages.clear()
-            continue
-        messages.append({"role": "user", "content": line})
-        gen = engine.stream(encode_prompt(engine.tokenizer, messages), gen_cfg, sampling)
-        for delta in gen:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        print(_stats_line(gen.result), file=sys.stderr)
-        messages.append({"role": "assistant", "content": gen.result.text})
-    return 0
 
 
 def cmd_init_draft(args) -> int:
     """Write a randomly initialised draft for a target (the starting point of training, or a speed baseline)."""
     import torch
 
-    from .models.draft import DFlashDraftModel
-    from .models.draft_config import DFlashConfig
-    from .loading import default_mask_token_id, load_target
+    from ..models.draft import DFlashDraftModel
+    from ..models.draft_config import DFlashConfig
+    from ..models.loading import default_mask_token_id, load_target
 
     target, _ = load_target(args.target, "fp32", weights="bf16")
     torch.manual_seed(args.seed)
@@ -163,7 +37,7 @@ def cmd_init_draft(args) -> int:
 
 def cmd_data(args) -> int:
     """Build the prompt set (dedupe, held-out split, decontamination) and regenerate answers with the target."""
-    from .train.data import run_regeneration
+    from ..train.data import run_regeneration
 
     out = run_regeneration(target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
@@ -177,9 +51,9 @@ def cmd_wide_prompts(args) -> int:
     """The wide prompt set, tokenized for a GPU regeneration round (recipes/smollm2-135m-dflash-gpu.py)."""
     import glob as globmod
 
-    from .loading import load_hf_target
-    from .train.records import load_records
-    from .train.wide_prompts import (prompt_ids_of_records, wide_prompt_set, wide_sources, write_tokenized)
+    from ..models.loading import load_hf_target
+    from ..train.records import load_records
+    from ..train.wide_prompts import (prompt_ids_of_records, wide_prompt_set, wide_sources, write_tokenized)
 
     _, tok, _ = load_hf_target(args.target, dtype="bf16")
     train, held, rep = wide_prompt_set(wide_sources(seed=args.seed), seed=args.seed)
@@ -198,7 +72,7 @@ def cmd_wide_prompts(args) -> int:
 
 def cmd_pack(args) -> int:
     """Pack JSONL shards into one compact uint16 .npz (what the repo commits)."""
-    from .train.records import pack_uint16, read_shards
+    from ..train.records import pack_uint16, read_shards
 
     n = pack_uint16(read_shards(args.shards), args.out)
     print(json.dumps({"records": n, "out": args.out}))
@@ -207,11 +81,11 @@ def cmd_pack(args) -> int:
 
 def cmd_features(args) -> int:
     """Precompute target features for offline training."""
-    from .models.draft import DFlashDraftModel
-    from .models.eagle import EagleDraftModel, is_eagle_draft
-    from .loading import load_target
-    from .train.features import precompute_features
-    from .train.records import load_records
+    from ..models.draft import DFlashDraftModel
+    from ..models.eagle import EagleDraftModel, is_eagle_draft
+    from ..models.loading import load_target
+    from ..train.features import precompute_features
+    from ..train.records import load_records
 
     target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
     draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
@@ -226,8 +100,8 @@ def cmd_train(args) -> int:
     """Train a draft (train/trainer.py): from teacher caches (cache=...) or from records (data=...)."""
     from dataclasses import fields
 
-    from .train.config import TrainConfig
-    from .train.trainer import train
+    from ..train.config import TrainConfig
+    from ..train.trainer import train
 
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     if "layer_ids" in kw:
@@ -247,7 +121,7 @@ def _train_args(t: argparse.ArgumentParser) -> None:
     """Every TrainConfig field as an optional flag (None = keep the config file's or the default value)."""
     from dataclasses import MISSING, fields
 
-    from .train.config import TrainConfig, parse_bool
+    from ..train.config import TrainConfig, parse_bool
 
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else f.default_factory()
@@ -261,15 +135,15 @@ def _train_args(t: argparse.ArgumentParser) -> None:
 
 def cmd_teacher_cache(args) -> int:
     """Prefill the target over training records once: features, greedy labels, top-k logits (train/teacher.py)."""
-    from .loading import load_target
-    from .train.teacher import build_teacher_cache
-    from .train.records import load_records
+    from ..models.loading import load_target
+    from ..train.teacher import build_teacher_cache
+    from ..train.records import load_records
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from .train.precision import compute_dtype, dtype_name
+    from ..train.precision import compute_dtype, dtype_name
 
     if args.offset < 0 or (args.limit is not None and args.limit < 0):
         raise ValueError("--offset and --limit must be >= 0")
@@ -283,7 +157,7 @@ def cmd_teacher_cache(args) -> int:
     if args.layer_ids:
         layers = [int(x) for x in args.layer_ids.split(",")]
     else:
-        from .models.draft_config import default_target_layer_ids
+        from ..models.draft_config import default_target_layer_ids
 
         tc = getattr(target.config, "text_config", None) or target.config
         layers = default_target_layer_ids(int(tc.num_hidden_layers), 6)
@@ -294,7 +168,7 @@ def cmd_teacher_cache(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export.gguf import export_gguf
+    from ..export.gguf import export_gguf
 
     res = export_gguf(args.out, args.draft, args.target, args.outtype)
     what = "target"
@@ -306,25 +180,9 @@ def cmd_export(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    g = sub.add_parser("generate", help="generate a completion (streams text)")
-    _model_args(g)
-    _sampling_args(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    g.add_argument("prompt")
-    g.set_defaults(func=cmd_generate)
-
-    c = sub.add_parser("chat", help="multi-turn terminal chat")
-    _model_args(c)
-    _sampling_args(c)
-    c.set_defaults(func=cmd_chat)
-
+def register(sub) -> None:
     i = sub.add_parser("init-draft", help="write a randomly initialised draft for a target")
-    i.add_argument("--target", default=None)
+    add_target(i)
     i.add_argument("--layers", type=int, default=3)
     i.add_argument("--block-size", type=int, default=16)
     i.add_argument("--num-target-features", type=int, default=None)
@@ -334,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_init_draft)
 
     d = sub.add_parser("data", help="build the prompt set and regenerate answers with the target (resumable)")
-    d.add_argument("--target", default=None)
+    add_target(d)
     d.add_argument("--out", required=True)
     d.add_argument("--n-sharegpt", type=int, default=6000)
     d.add_argument("--n-gsm", type=int, default=3000)
@@ -343,17 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    add_dtype(d)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--only-task", default=None, choices=["sharegpt", "gsm", "jsonl"],
                    help="regenerate only this task's train prompts not yet written (the rest of the plan stays "
                         "for a later run without it)")
-    _weights_arg(d)
+    add_weights(d)
     d.set_defaults(func=cmd_data)
 
     w = sub.add_parser("wide-prompts", help="the wide prompt set (ShareGPT turns, reasoning-gym, evals, "
                        "instructions), deduped, decontaminated and tokenized for a GPU regeneration round")
-    w.add_argument("--target", default=None)
+    add_target(w)
     w.add_argument("--out", required=True, help="directory: prompts-train.npz, prompts-heldout.npz, prompt-card.json")
     w.add_argument("--exclude", default=None, help="glob of packed records whose prompts are already answered")
     w.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -367,11 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_pack)
 
     f = sub.add_parser("features", help="precompute target features for offline training")
-    f.add_argument("--target", default=None)
+    add_target(f)
     f.add_argument("--data", required=True)
     f.add_argument("--draft", default=None, help="take the layer ids from this draft's config")
     f.add_argument("--layer-ids", default=None, help="comma-separated target layer ids")
-    f.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    add_dtype(f)
     f.add_argument("--out", required=True)
     f.set_defaults(func=cmd_features)
 
@@ -395,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tc = sub.add_parser("teacher-cache", help="cache the target's features, greedy labels and top-k logits over "
                                               "training records (for train --cache; resumable)")
-    tc.add_argument("--target", default=None)
+    add_target(tc)
     tc.add_argument("--data", required=True, help="JSONL shard directory or packed .npz of records")
     tc.add_argument("--out", required=True)
     tc.add_argument("--layer-ids", default=None, help="target layers to store, comma-separated (a superset of the "
@@ -412,28 +270,47 @@ def build_parser() -> argparse.ArgumentParser:
                          "cache stores bf16 features either way)")
     tc.set_defaults(func=cmd_teacher_cache)
 
-    from .eval.bench import register as register_bench
-    from .eval.heldout import register as register_heldout
-
-    register_bench(sub)
-    register_heldout(sub)
-
-    from .serve.app import register as register_serve
-
-    register_serve(sub)
-    return p
+    _register_heldout(sub)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def cmd_heldout_tau(args) -> int:
+    import torch
+
+    from ..models.loading import load_target
+
+    drafts = []
+    for spec in args.draft:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--draft takes NAME=DIR, got {spec!r}")
+        drafts.append((name, path))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target, "bf16", weights=args.weights)
+    prompts = heldout.heldout_prompts(target.tokenizer, args.set, args.prompts, args.heldout)
+    rows = heldout.heldout_tau(target, drafts, prompts, args.max_new_tokens, args.block_size)
+    for r in rows:
+        r.update(target=args.target, set=args.set, weights=args.weights)
+        print(json.dumps(r), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _register_heldout(sub) -> None:
+    p = sub.add_parser("heldout-tau", help="held-out tau of several drafts in one run (greedy, the real engine)",
+                       description=heldout.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", action="append", required=True, metavar="NAME=DIR", help="repeatable")
+    add_target(p, "the drafts' target (a path, a hub id or an alias)")
+    p.add_argument("--set", default="regen", choices=heldout.SETS, help="prompt set (see above)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decode block (fixed width; default: each draft's recommended decode block)")
+    p.add_argument("--heldout", default=None, help="held-out records for --set regen")
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    add_weights(p)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="append the results as JSON lines to this file")
+    p.set_defaults(func=cmd_heldout_tau)

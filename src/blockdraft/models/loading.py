@@ -22,17 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .atomic import file_lock, fsync_dir, publish_file, recorded_hash_matches
-from .config import cache_dir
-from .decode.calibrate import load_or_measure
-from .decode.engine import Engine
-from .decode.proposers.dflash import DFlashProposer
-from .decode.proposers.eagle import EagleProposer
-from .decode.proposers.tree import TreeProposer
-from .models.draft import DFlashDraftModel
-from .models.eagle import EagleDraftModel, is_eagle_draft
-from .models.quant import plan_weights
-from .models.target import TargetModel
+from ..atomic import file_lock, fsync_dir, publish_file, recorded_hash_matches
+from ..config import cache_dir
+from .draft import DFlashDraftModel
+from .eagle import EagleDraftModel, is_eagle_draft
+from .quant import plan_weights
+from .target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +215,7 @@ def load_hf_target(target: str | None, dtype: str | torch.dtype = "bf16", device
     return model, tok, src
 
 
-# ---------------------------------------------------------------------------------------------- drafts, engines
+# ------------------------------------------------------------------------------------------------------ drafts
 SMOLLM2_MASK_TOKEN_ID = 16  # `<empty_output>`: a Jupyter-notebook special token that never occurs in chat data
 
 
@@ -241,7 +236,7 @@ def default_mask_token_id(tokenizer, vocab_size: int) -> int:
 def packaged_models_dir() -> Path:
     """Drafts shipped with blockdraft: $BLOCKDRAFT_MODELS, else the repo's models/ next to src/."""
     env = os.environ.get("BLOCKDRAFT_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
 
 
 DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-dflash"}
@@ -278,54 +273,11 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
     return TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source), src
 
 
-def build_engine(target_model, draft_path: Path | None, block_size: int | None = None, denoise_steps: int = 1,
-                 adaptive: bool = False, recalibrate: bool = False, **engine_kw):
-    """An Engine (engine_kw: its batching settings) for the target with the draft at draft_path (None: plain
-    decoding). An EAGLE draft (config.json says so) gets an EagleProposer drafting block_size - 1 tokens (default: its max_draft_steps).
-    adaptive: a DFlash draft chooses per step how many tokens to draft (0 .. block_size - 1) from this target's
-    verify-cost calibration (cached; measured now if there is none or if recalibrate), its own measured time and
-    acceptance, so that drafting is skipped where it does not pay."""
-
-    if draft_path is None:
-        return Engine(target_model, **engine_kw)
-    if is_eagle_draft(draft_path):
-        draft = EagleDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
-        gamma = block_size - 1 if block_size else None
-        return Engine(target_model, EagleProposer(draft, target_model, gamma), **engine_kw)
-    draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
-    cost = None
-    if adaptive:
-
-        proposer = DFlashProposer(draft, target_model, block_size, denoise_steps)
-        if proposer.layer_ids:
-            target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it runs: features tapped
-        cost = load_or_measure(target_model, refresh=recalibrate)
-    return Engine(target_model, DFlashProposer(draft, target_model, block_size, denoise_steps, verify_cost=cost),
-                  **engine_kw)
-
-
-def build_tree_engine(target_model, draft_path: Path | None, *, lookup: bool = False, budget: int | None = None,
-                      block_size: int | None = None, verify_cost=None, draft=None, recalibrate: bool = False,
-                      **engine_kw):
-    """An Engine (engine_kw: its batching settings) that verifies candidate trees: the DFlash draft's best branches
-    (`dflash-tree`), plus prompt-lookup continuations with lookup=True (`dflash+lookup`; without a draft: lookup
-    branches only). budget: fixed candidate nodes per step; None: chosen per step from `verify_cost` (default: the
-    cached calibration of this target, measured now if there is none or if recalibrate). draft: an already-loaded
-    DFlashDraftModel instead of draft_path."""
-
-    if draft is None and draft_path is not None:
-        if is_eagle_draft(draft_path):
-            raise ValueError("tree verification grows its tree from a DFlash draft's block; this is an EAGLE draft")
-        draft = DFlashDraftModel.from_pretrained(draft_path, dtype=target_model.dtype, device=target_model.device)
-    if draft is None and not lookup:
-        raise ValueError("a draft tree needs a DFlash draft (--draft DIR), or prompt lookup (--tree-lookup)")
-    proposer = DFlashProposer(draft, target_model, block_size) if draft is not None else None
-    if proposer is not None and proposer.layer_ids:
-        target_model.set_layer_ids(proposer.layer_ids)  # calibrate the verify as it will run: features tapped
-    if budget is None and verify_cost is None:
-        verify_cost = load_or_measure(target_model, refresh=recalibrate)
-    return Engine(target_model, TreeProposer(proposer, lookup=lookup, budget=budget, verify_cost=verify_cost),
-                  **engine_kw)
+def load_draft(path: str | Path, target: TargetModel) -> DFlashDraftModel | EagleDraftModel:
+    """The draft in directory `path` (a DFlash draft, or an EAGLE-3 one when its config.json says so) in the
+    target's dtype and on its device."""
+    cls = EagleDraftModel if is_eagle_draft(path) else DFlashDraftModel
+    return cls.from_pretrained(path, dtype=target.dtype, device=target.device)
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = True) -> list[int]:

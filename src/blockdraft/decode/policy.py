@@ -1,0 +1,188 @@
+"""When and how wide to draft: one home for every "does drafting pay?" decision, from measured costs.
+
+Speculative decoding is lossless whatever is drafted (verification decides what is committed), so these policies
+only trade speed: a drafted token costs verify width and draft time, and pays only when it is accepted. Each
+decision compares expected committed tokens per second, using
+- the target's verify cost per width (`calibrate.VerifyCost`, measured once per machine and cached),
+- draft times measured as decoding runs (`RunningMean`),
+- acceptance measured as decoding runs (`Acceptance`, or a row's running gain).
+
+A policy that stops drafting would never measure again, so each one drafts anyway after a run of skipped steps
+(`Explorer`): per row after EXPLORE_ROW skips, per batched step after EXPLORE_BATCH plain steps.
+
+Policies:
+- `WidthPolicy` (per row): how many tokens a chain drafts this step, 0 .. limit;
+- `BatchPolicy` (per engine): whether a step of two or more rows drafts at all (a wide verify of many rows is
+  compute-bound on a CPU, where drafting can cost more than it commits);
+- `lookup_draft_pays` (per tree step): whether the DFlash draft adds enough to a lookup-only tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPLORE_ROW = 8  # per row: after this many steps without drafting, one step drafts to measure again
+EXPLORE_BATCH = 16  # per engine: after this many plain steps of several rows, one step drafts to measure again
+SMOOTHING = 0.2  # weight of the newest sample in every running mean
+GAIN_PRIOR = 1.0  # tokens a drafted step commits beyond the verified one, before a row has measured its own
+
+
+class RunningMean:
+    """An exponential running mean: None until the first sample, then mean <- (1 - a) mean + a x."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float | None = None) -> None:
+        self.value = value
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else (1.0 - SMOOTHING) * self.value + SMOOTHING * x
+        return self.value
+
+
+class Explorer:
+    """Counts decisions not to draft in a row; once `every` have gone by, the next step must draft (`due`)."""
+
+    __slots__ = ("every", "run")
+
+    def __init__(self, every: int) -> None:
+        self.every, self.run = every, 0
+
+    @property
+    def due(self) -> bool:
+        return self.run >= self.every
+
+    def record(self, drafted: bool) -> None:
+        self.run = 0 if drafted else self.run + 1
+
+
+class Acceptance:
+    """Running conditional acceptance per draft position: P(position i accepted | positions < i accepted), with a
+    prior of one accept in two trials."""
+
+    def __init__(self, positions: int) -> None:
+        self.accepted, self.trials = [1.0] * positions, [2.0] * positions
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` tokens accepted the first `accepted`: positions 0..accepted-1 were accepted,
+        position `accepted` (if drafted) rejected, the ones after it were never reached."""
+        for i in range(min(accepted + 1, drafted)):
+            self.trials[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rate(self, i: int) -> float:
+        return self.accepted[i] / self.trials[i]
+
+
+class WidthPolicy:
+    """Per row: the width of this step's chain. Fixed (`verify_cost` None): always the limit. Adaptive: the g in
+    0..limit maximising (1 + sum_i P(first i drafts accepted)) / (verify(g + 1) + draft time if g > 0), from the
+    calibration, the row's measured draft time and its running per-position acceptance."""
+
+    def __init__(self, block_size: int, verify_cost=None) -> None:
+        self.verify_cost = verify_cost
+        self.acceptance = Acceptance(max(0, block_size - 1))
+        self.draft_seconds = RunningMean()  # one draft call for this row
+        self.explorer = Explorer(EXPLORE_ROW)
+        self.widths: list[int] = []  # tokens drafted per step
+
+    @property
+    def adaptive(self) -> bool:
+        return self.verify_cost is not None
+
+    def choose(self, limit: int) -> int:
+        """Tokens to draft now, 0..limit (the first step, and every step after EXPLORE_ROW skips, drafts limit)."""
+        if self.verify_cost is None or limit <= 0:
+            return max(0, limit)
+        draft_s = self.draft_seconds.value
+        if draft_s is None or self.explorer.due:
+            return limit
+        cost = self.verify_cost.chain
+        best, best_rate, reach, expected = 0, 1.0 / cost(1), 1.0, 1.0
+        for g in range(1, limit + 1):
+            reach *= self.acceptance.rate(g - 1)
+            expected += reach
+            rate = expected / (cost(g + 1) + draft_s)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best
+
+    def record(self, width: int) -> None:
+        """The width this step drafted (after the batch policy)."""
+        self.widths.append(width)
+        self.explorer.record(width > 0)
+
+    def drafted(self, seconds: float) -> None:
+        self.draft_seconds.update(seconds)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.acceptance.observe(drafted, accepted)
+
+
+class BatchPolicy:
+    """Per engine: whether a step of two or more rows drafts. With `draft_max_batch`, never while more rows are
+    active. With `verify_cost`, only when expected tokens per second beat a plain step's: expected tokens = each
+    row's 1 + its running gain (tokens a drafted step committed beyond one, GAIN_PRIOR until measured, at most its
+    width), cost = verify(all rows' candidates) + the measured draft time per drafting row, against
+    rows / verify(one token per row)."""
+
+    def __init__(self, verify_cost=None, draft_max_batch: int | None = None) -> None:
+        self.verify_cost, self.draft_max_batch = verify_cost, draft_max_batch
+        self.draft_row_seconds = RunningMean()
+        self.explorer = Explorer(EXPLORE_BATCH)
+
+    def drafts(self, rows: list[tuple[float | None, int]]) -> bool:
+        """rows: (running gain or None, tokens it may draft) per active row; a single row always drafts."""
+        ok = len(rows) <= 1 or self._pays(rows)
+        self.explorer.record(ok)
+        return ok
+
+    def _pays(self, rows: list[tuple[float | None, int]]) -> bool:
+        if self.draft_max_batch is not None and len(rows) > self.draft_max_batch:
+            return False
+        cost = self.verify_cost
+        if cost is None or not any(g for _, g in rows) or self.explorer.due:
+            return True
+        b = len(rows)
+        width = sum(g + 1 for _, g in rows)
+        expected = sum(1.0 + min(g, gain if gain is not None else GAIN_PRIOR) for gain, g in rows)
+        drafting = sum(1 for _, g in rows if g > 0)
+        seconds = cost.chain(width) + (self.draft_row_seconds.value or 0.0) * drafting
+        return expected / seconds > b / cost.chain(b)
+
+    def drafted(self, seconds: float, rows: int) -> None:
+        """A batched draft call took `seconds` for `rows` drafting rows."""
+        if rows:
+            self.draft_row_seconds.update(seconds / rows)
+
+
+@dataclass(frozen=True)
+class TreeStepCosts:
+    """What a tree step's choice to run the draft reads: the lookup-only tree's expected tokens and best rate, the
+    draft's running gain (tokens it added) and node count, its measured time and the verify cost of both trees."""
+
+    lookup_expected: float  # expected tokens of the lookup branches' tree (the root included)
+    lookup_nodes: int  # its nodes below the root
+    lookup_rate: float  # the best expected tokens per second without the draft
+    gain: float  # tokens the draft's nodes are expected to add
+    draft_nodes: float  # running mean of the draft's nodes in a tree with both
+    draft_seconds: float
+
+
+def lookup_draft_pays(c: TreeStepCosts, verify_cost) -> bool:
+    """Whether running the draft is expected to raise tokens per second over the lookup branches alone."""
+    cost = c.draft_seconds + verify_cost(1 + c.lookup_nodes + round(c.draft_nodes))
+    return (c.lookup_expected + c.gain) / cost > c.lookup_rate
+
+
+def expected_seconds_per_token(widths_cost: list[float], accept_rates: list[float], width: int,
+                               draft_seconds: float) -> float:
+    """Expected seconds per committed token of a chain drafting `width` tokens with conditional acceptance rates
+    `accept_rates` (per position) and verify cost widths_cost[w - 1] for w tokens: what `WidthPolicy` maximises
+    the inverse of, written out for tests and simulations."""
+    reach, expected = 1.0, 1.0
+    for i in range(width):
+        reach *= accept_rates[i]
+        expected += reach
+    return (widths_cost[width] + (draft_seconds if width > 0 else 0.0)) / expected

@@ -1,0 +1,175 @@
+"""The benchmark's engines and external runners: one `DecodeSpec` per engine method, built by `build_engine` on one
+shared target, plus the Hugging Face and llama.cpp references.
+
+Engine methods are names of the decode registry (`decode.spec.METHODS`), and two variants of them: `ar-hf` and
+`dflash-hf`, the same specs on the target's Hugging Face modules and dynamic cache (the "before" of the lean path),
+and `METHOD@MODE` for every weights mode after the first of `--weights` (the same specs on the target with those
+weights). The methods whose policy reads the target's verify cost (`dflash-adaptive`, tree methods with a chosen
+budget) share one calibration measured when the benchmark starts, so that their choices reflect the machine as the
+benchmark finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..decode.calibrate import load_or_measure
+from ..decode.spec import DecodeSpec, build_engine
+from ..models.draft import DFlashDraftModel
+from ..models.eagle import EagleDraftModel
+from ..models.loading import load_draft, load_target, resolve_draft
+from ..models.quant import plan_weights
+from ..models.target import TargetModel
+from .external import LlamaCpp, llamacpp_available
+from .llamacpp_server import SERVER_METHODS, bf16_gguf, build_server_runners
+
+# engine methods: registry names, and their Hugging Face path variants
+DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup")
+ENGINE_METHODS = ("ar",) + DFLASH_METHODS + ("pld", "eagle", "ar-hf", "dflash-hf")
+TREE_METHODS = ("dflash-tree", "dflash+lookup")
+# methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights
+WEIGHTS_METHODS = ("ar",) + DFLASH_METHODS + ("pld",)
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-bf16")
+
+
+@dataclass
+class Built:
+    """What the benchmark runs: the target, its name, the tokenizer, the engines and external runners by method,
+    the methods that remain (in order), their block sizes, the DFlash draft's description and the GGUF file."""
+
+    target: TargetModel
+    target_name: str
+    tokenizer: object
+    methods: list[str]
+    engines: dict = field(default_factory=dict)
+    external: dict = field(default_factory=dict)
+    block_sizes: dict = field(default_factory=dict)
+    draft_desc: str | None = None
+    gguf: str | None = None
+
+
+def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list[str]) -> Built:
+    """Load what cfg (a `BenchConfig`) names that the caller did not give (methods run in the order of `order`): the target, the DFlash draft (a
+    directory, a loaded `DFlashDraftModel`, or None: cfg.draft resolved), then build every method's engine or
+    runner; a method that cannot run here is dropped with a note."""
+    gguf = cfg.llamacpp_gguf
+    if target is None:
+        target, src = load_target(cfg.target, cfg.dtype, compile=cfg.compile, weights=cfg.weights[0])
+        target_name = src.name
+        if gguf is None and src.gguf_file:
+            gguf = str(Path(src.path) / src.gguf_file)
+    else:
+        target_name = cfg.target or type(getattr(target, "hf", target)).__name__
+    tok = tokenizer if tokenizer is not None else target.tokenizer
+    methods = [m for m in order if m in cfg.methods]  # canonical order
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+        notes.append("`ar` added: it is the baseline of every ratio")
+    built = Built(target, target_name, tok, methods, gguf=gguf)
+    draft_model, built.draft_desc, draft_dir = _dflash_draft(cfg, target, target_name, draft, methods)
+    add_engines(cfg, built, draft_model, notes)
+    _add_llamacpp(cfg, built, notes)
+    if any(m in methods for m in SERVER_METHODS):
+        built.external.update(build_server_runners(
+            methods, target=cfg.target, target_gguf=gguf, bf16=cfg.llamacpp_bf16_gguf, draft_dir=draft_dir,
+            draft_gguf=cfg.llamacpp_draft_gguf, draft_n=cfg.llamacpp_draft_n,
+            threads=cfg.threads or torch.get_num_threads(), n_ctx=min(target.max_context, 4096), notes=notes))
+    for mode in cfg.weights[1:]:
+        _add_weights_engines(cfg, built, draft_model, mode, notes)
+    return built
+
+
+def _dflash_draft(cfg, target, target_name: str, draft, methods: list[str]):
+    """-> (the DFlash draft model or None, its description, its directory or None)."""
+    wanted = any(m in methods for m in DFLASH_METHODS + ("dflash-hf",) + tuple(SERVER_METHODS))
+    if isinstance(draft, DFlashDraftModel):
+        return draft, f"<{type(draft).__name__}>", None
+    if not wanted:
+        return None, None, None
+    path = Path(draft) if draft is not None else resolve_draft(cfg.draft, target_name)
+    if path is None:
+        return None, None, None
+    return load_draft(path, target), str(path), path
+
+
+def add_engines(cfg, built: Built, draft: DFlashDraftModel | None, notes: list[str]) -> None:
+    """The engine methods of built.methods on built.target: one spec each, built by `build_engine`."""
+    target, methods = built.target, built.methods
+    base = DecodeSpec(block_size=cfg.block_size, denoise_steps=cfg.denoise_steps, tree_budget=cfg.tree_budget,
+                      pld_max_ngram=cfg.pld_max_ngram, pld_num_pred=cfg.pld_num_pred)
+    if draft is None:
+        for m in [m for m in DFLASH_METHODS + ("dflash-hf",) if m in methods]:
+            methods.remove(m)
+            notes.append(f"{m} skipped: no draft for target {built.target_name!r} (--draft {cfg.draft or 'default'})")
+    eagle = None
+    if "eagle" in methods:
+        if cfg.eagle_draft is None:
+            methods.remove("eagle")
+            notes.append("eagle skipped: no EAGLE draft (--eagle-draft DIR)")
+        else:
+            eagle = EagleDraftModel.from_pretrained(cfg.eagle_draft, dtype=target.dtype, device=target.device)
+    calibrated = [m for m in methods if m == "dflash-adaptive" or (m in TREE_METHODS and cfg.tree_budget is None)]
+    cost = None
+    if calibrated:
+        taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
+        cost = load_or_measure(target, refresh=True, taps=taps)
+        if any(m in TREE_METHODS for m in calibrated):
+            notes.append(f"tree budget chosen per step from a verify-cost calibration measured at start: verifying "
+                         f"16 / 64 tokens costs {cost(16) / cost(1):.2f}x / {cost(64) / cost(1):.2f}x one token "
+                         f"({1e3 * cost(1):.1f} ms)")
+    slow = None
+    if any(m in methods for m in ("ar-hf", "dflash-hf")):
+        if target.lean is None:
+            notes.append(f"ar-hf/dflash-hf equal ar/dflash here: the lean path does not run this target "
+                         f"({target.lean_reason})")
+        # the same HF model and weights, decoded through the HF modules and their dynamic cache
+        slow = TargetModel(target.hf, target.tokenizer, lean=False)
+    for m in [m for m in methods if m in ENGINE_METHODS]:
+        name = m.removesuffix("-hf")
+        on = slow if m.endswith("-hf") else target
+        spec = dataclasses.replace(base, method=name, block_size=cfg.gamma + 1 if name == "eagle" else cfg.block_size)
+        engine = build_engine(on, eagle if name == "eagle" else draft if name != "ar" else None, spec,
+                              verify_cost=cost, tokenizer=built.tokenizer)
+        built.engines[m] = engine
+        block = engine.proposer.block_size
+        built.block_sizes[m] = block if name in ("ar", "eagle") else cfg.block_size or block
+
+
+def _add_llamacpp(cfg, built: Built, notes: list[str]) -> None:
+    """llama.cpp through llama-cpp-python on the target's GGUF (or its bf16 export)."""
+    for m in [m for m in LLAMACPP_METHODS if m in built.methods]:
+        why, file = llamacpp_available(), built.gguf
+        if why is None and m == "llamacpp-bf16":
+            try:
+                file = str(bf16_gguf(cfg.target, cfg.llamacpp_bf16_gguf))
+            except (OSError, ValueError) as e:
+                why = str(e)
+        if why is None and not file:
+            why = "no GGUF file (--llamacpp-gguf PATH)"
+        if why is not None:
+            built.methods.remove(m)
+            notes.append(f"{m} skipped: {why}")
+            continue
+        threads = cfg.threads or torch.get_num_threads()
+        pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if m == "llamacpp-pld" else None
+        built.external[m] = LlamaCpp(file, threads, min(built.target.max_context, 4096), pld)
+        notes.append(f"{m}: llama.cpp on {Path(file).name} (its own kernels), {threads} threads")
+
+
+def _add_weights_engines(cfg, built: Built, draft, mode: str, notes: list[str]) -> None:
+    """The requested WEIGHTS_METHODS again on the same HF model with weights `mode`, as `method@mode` (their own
+    verify-cost calibration included)."""
+    target = built.target
+    other = TargetModel(target.hf, target.tokenizer, weights=plan_weights(mode, target.hf, built.gguf))
+    sub_cfg = dataclasses.replace(cfg, weights=(mode,))
+    sub = Built(other, built.target_name, built.tokenizer, [m for m in built.methods if m in WEIGHTS_METHODS])
+    add_engines(sub_cfg, sub, draft, notes)
+    for m in sub.methods:
+        name = f"{m}@{mode}"
+        built.engines[name], built.block_sizes[name] = sub.engines[m], sub.block_sizes[m]
+        built.methods.insert(built.methods.index(m) + 1 if m in built.methods else len(built.methods), name)
+    notes.append(f"weights {mode}: {other.weights.describe()}")
