@@ -165,7 +165,7 @@ def test_kernel_refuses_bad_shapes():
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         lin(torch.randn(2, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        quant._load_kernels().make_qlin(4, torch.zeros(37, 24, dtype=torch.uint8), torch.zeros(37, 1),
+        quant.kernels._load_kernels().make_qlin(4, torch.zeros(37, 24, dtype=torch.uint8), torch.zeros(37, 1),
                                         torch.zeros(37, 1), None)
 
 
@@ -558,10 +558,10 @@ def test_a_dead_builds_lock_is_removed_while_a_live_build_keeps_others_waiting(t
     lock = tmp_path / "dead_build" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    quant._clear_stale_build_lock("dead_build")
+    quant.kernels._clear_stale_build_lock("dead_build")
     assert not lock.exists()
-    quant._clear_stale_build_lock("never_built")  # no lock: nothing to do
-    build_lock = quant._build_lock_path("live_build")
+    quant.kernels._clear_stale_build_lock("never_built")  # no lock: nothing to do
+    build_lock = quant.kernels._build_lock_path("live_build")
     assert build_lock.parent == tmp_path
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
              "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"

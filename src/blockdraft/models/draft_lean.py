@@ -58,7 +58,7 @@ class LeanDraft:
     """Inference forward of a DFlashDraftModel (see the module docstring)."""
 
     def __init__(self, draft: DFlashDraftModel, packed: bool | None = None, weights: str = "bf16") -> None:
-        """weights: 'bf16' keeps the draft's float weights; 'int8' / 'int4' quantize its linears (quant.py)."""
+        """weights: 'bf16' keeps the draft's float weights; 'int8' / 'int4' quantize its linears (quant/)."""
         cfg = draft.config
         self.config = cfg
         self.dtype = draft.dtype

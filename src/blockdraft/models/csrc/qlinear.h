@@ -1,6 +1,6 @@
 // Weight-only quantized linears for CPU decoding: y [M, N] = x [M, K] W^T, W stored in blocks of 32 along K.
 //
-// Three weight formats, chosen so that GGUF's own blocks map onto them without requantization (quant.py):
+// Three weight formats, chosen so that GGUF's own blocks map onto them without requantization (quant/):
 //   q4: unsigned 4-bit codes c in 0..15 with a scale d and an offset o per block: w = d * c + o
 //       (GGUF Q4_0: o = -8d; Q4_1: o = m; Q4_K: d = d*sc, o = -dmin*m per sub-block of 32).
 //   q5: the same with a fifth bit, c in 0..31 (GGUF Q5_0: o = -16d; Q5_1: o = m; Q5_K as Q4_K).

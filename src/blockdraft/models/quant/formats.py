@@ -1,0 +1,225 @@
+"""The quantized weight formats (Q4 / Q5 / Q8 blocks of 32 inputs), packing, quantizing float weights, and fusing
+weights of different kinds (see the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # inputs per quant block (GGUF's Q4_0/Q4_1/Q8_0 block; Q4_K/Q6_K sub-blocks are 32 / 16)
+WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """w [N, K] = scale * code + offset per block of 32 inputs.
+    codes uint8 [N, K/2]: byte j of a block holds input j in its low nibble and input j + 16 in its high nibble;
+    scale, offset float32 [N, K/32]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, half = self.codes.shape
+        g = 2 * half // BLOCK
+        assert self.codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
+        assert self.scale.shape == self.offset.shape == (n, g), (
+            f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(self.scale.shape)} / {tuple(self.offset.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1]) * 2
+
+    def unpacked(self) -> torch.Tensor:
+        """-> codes [N, K/32, 32] uint8 in input order."""
+        return _nibbles(self.codes)
+
+    def dequantize(self) -> torch.Tensor:
+        """-> w [N, K] float32."""
+        n, k = self.shape
+        return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
+
+    def select(self, rows: torch.Tensor) -> "Q4Weight":
+        return Q4Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(), self.offset[rows].contiguous())
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Q4Weight's byte layout [N, K/2] -> the 4-bit codes [N, K/32, 32] uint8 in input order."""
+    n, half = codes.shape
+    lo, hi = codes & 15, codes >> 4  # inputs j and j + 16 of each block
+    return torch.cat([lo.view(n, 2 * half // BLOCK, 16), hi.view(n, 2 * half // BLOCK, 16)], dim=-1)
+
+
+def _bits(high: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] uint8, 4 bytes per block of 32 (bit j, little-endian, = input j) -> [N, K/32, 32] uint8 of 0 / 1."""
+    n, nbytes = high.shape
+    b = high.view(n, nbytes // 4, 4, 1) >> torch.arange(8, dtype=torch.uint8)  # [N, G, byte, bit]
+    return (b & 1).view(n, nbytes // 4, 32)
+
+
+@dataclass(frozen=True)
+class Q5Weight:
+    """w [N, K] = scale * code + offset per block of 32 inputs, codes 0..31: Q4Weight's nibbles plus a fifth bit.
+    codes uint8 [N, K/2]: the low 4 bits, laid out as Q4Weight's; high uint8 [N, K/8]: 4 bytes per block, bit j of
+    their little-endian 32-bit word is input j's fifth bit (GGUF's qh); scale, offset float32 [N, K/32]."""
+
+    codes: torch.Tensor
+    high: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, half = self.codes.shape
+        g = 2 * half // BLOCK
+        assert self.codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
+        assert self.high.dtype == torch.uint8 and tuple(self.high.shape) == (n, 4 * g), (
+            f"high must be uint8 [N, K/8] = [{n}, {4 * g}], got {tuple(self.high.shape)}")
+        assert self.scale.shape == self.offset.shape == (n, g), (
+            f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(self.scale.shape)} / {tuple(self.offset.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1]) * 2
+
+    def unpacked(self) -> torch.Tensor:
+        """-> codes [N, K/32, 32] uint8 (0..31) in input order."""
+        return _nibbles(self.codes) | (_bits(self.high) << 4)
+
+    def dequantize(self) -> torch.Tensor:
+        """-> w [N, K] float32."""
+        n, k = self.shape
+        return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
+
+    def select(self, rows: torch.Tensor) -> "Q5Weight":
+        return Q5Weight(*(getattr(self, f)[rows].contiguous() for f in ("codes", "high", "scale", "offset")))
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """w [N, K] = scale * code per 16 inputs. codes int8 [N, K] (-127..127), scale float32 [N, K/16]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        assert self.codes.dtype == torch.int8 and k % BLOCK == 0, "codes must be int8 [N, K] with K % 32 == 0"
+        assert self.scale.shape == (n, k // 16), (
+            f"scale must be [N, K/16] = [{n}, {k // 16}]: {tuple(self.scale.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        return (self.codes.view(n, k // 16, 16).float() * self.scale[..., None]).view(n, k)
+
+    def select(self, rows: torch.Tensor) -> "Q8Weight":
+        return Q8Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous())
+
+
+QWeight = Q4Weight | Q5Weight | Q8Weight
+
+
+def bits_of(w: QWeight) -> int:
+    """The kernels' name for a weight's format: 4, 5 or 8."""
+    return 4 if isinstance(w, Q4Weight) else 5 if isinstance(w, Q5Weight) else 8
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 (any integer dtype) -> the Q4Weight byte layout [N, K/2] uint8."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // BLOCK, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def pack_q5(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] in 0..31 (any integer dtype) -> the Q5Weight layout: (low nibbles [N, K/2], high bits [N, K/8])."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    fifth = ((c >> 4) & 1).view(n, k // 8, 8) << torch.arange(8, dtype=torch.uint8)
+    return pack_q4(c & 15), fifth.sum(-1, dtype=torch.uint8)
+
+
+def _minmax_codes(w: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K % 32 == 0) -> (codes [N, K] in 0..top, scale [N, K/32], offset [N, K/32]) from each block's min
+    and max (asymmetric): w ~ scale * code + offset."""
+    n, k = w.shape
+    assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
+    g = w.detach().float().view(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / top
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, top).view(n, k)
+    return codes, scale.contiguous(), lo.contiguous()
+
+
+def quantize_q4(w: torch.Tensor) -> Q4Weight:
+    """w [N, K] (K % 32 == 0) -> 4-bit codes per block of 32 from each block's min and max (asymmetric)."""
+    codes, scale, offset = _minmax_codes(w, 15)
+    return Q4Weight(pack_q4(codes), scale, offset)
+
+
+def quantize_q5(w: torch.Tensor) -> Q5Weight:
+    """w [N, K] (K % 32 == 0) -> 5-bit codes per block of 32 from each block's min and max (as GGUF's Q5_1)."""
+    codes, scale, offset = _minmax_codes(w, 31)
+    return Q5Weight(*pack_q5(codes), scale, offset)
+
+
+def quantize_q8(w: torch.Tensor) -> Q8Weight:
+    """w [N, K] (K % 32 == 0) -> 8-bit codes per block of 32 from each block's absolute max (symmetric)."""
+    n, k = w.shape
+    assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
+    g = w.detach().float().view(n, k // BLOCK, BLOCK)
+    scale = g.abs().amax(-1) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    return Q8Weight(codes, scale.repeat_interleave(2, dim=1).contiguous())
+
+
+def concat(ws: list[QWeight]) -> QWeight:
+    """Stack weights of one kind along the output dimension (fused q/k/v, gate/up)."""
+    kinds = {type(w) for w in ws}
+    assert len(kinds) == 1 and len({w.shape[1] for w in ws}) == 1, "concat needs one kind and one input width"
+    fields = {Q4Weight: ("codes", "scale", "offset"), Q5Weight: ("codes", "high", "scale", "offset"),
+              Q8Weight: ("codes", "scale")}[type(ws[0])]
+    return type(ws[0])(*(torch.cat([getattr(w, f) for w in ws]) for f in fields))
+
+
+def as_kind(w: QWeight, kind: type) -> QWeight | None:
+    """w in another format holding exactly the same values, or None where that format cannot: 4-bit codes are
+    5-bit codes with a zero fifth bit; 4- and 5-bit codes are signed 8-bit ones where the offset is the centre's
+    (o = -8d, -16d: GGUF's Q4_0 / Q5_0)."""
+    if isinstance(w, kind):
+        return w
+    if isinstance(w, Q4Weight) and kind is Q5Weight:
+        return Q5Weight(w.codes, torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint8), w.scale, w.offset)
+    if isinstance(w, (Q4Weight, Q5Weight)) and kind is Q8Weight:
+        centre = 8 if isinstance(w, Q4Weight) else 16
+        if not torch.equal(w.offset, -centre * w.scale):
+            return None
+        codes = (w.unpacked().to(torch.int16) - centre).to(torch.int8).view(w.shape)
+        return Q8Weight(codes, w.scale.repeat_interleave(2, dim=1).contiguous())
+    return None
+
+
+def fuse(ws: list[QWeight]) -> QWeight | None:
+    """Stack the parts of a fused linear along the output in the narrowest format that holds every part exactly
+    (4 < 5 < 8 bits), or None where none does (a Q4_1 part beside a Q8_0 one)."""
+    for kind in (Q4Weight, Q5Weight, Q8Weight):
+        parts = [as_kind(w, kind) for w in ws]
+        if all(p is not None for p in parts):
+            return concat(parts) if len(parts) > 1 else parts[0]
+    return None
+
+
+def quantize(w: torch.Tensor, mode: str) -> QWeight:
+    """w [N, K] -> the weight of an opt-in mode: 'int4' (groups of 32, min/max) or 'int8' (groups of 32, absmax)."""
+    if mode == "int4":
+        return quantize_q4(w)
+    if mode == "int8":
+        return quantize_q8(w)
+    raise ValueError(f"no quantizer for weights mode {mode!r}")

@@ -1,0 +1,162 @@
+"""GGUF's quant blocks mapped exactly onto the formats (formats.py), GGUF tensor names onto HF ones, and a GGUF
+file's weights read as such."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .formats import BLOCK, Q4Weight, Q5Weight, Q8Weight, QWeight, pack_q4, pack_q5
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 little-endian half floats -> [...] float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] (ggml's get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    s = np.empty(sc.shape[:-1] + (8,), np.uint8)
+    m = np.empty_like(s)
+    s[..., :4], m[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    s[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return s.astype(np.float32), m.astype(np.float32)
+
+
+def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
+    """One GGUF tensor's raw blocks, data [N, bytes per row] uint8 for K inputs -> its weight in our formats,
+    value for value (None for a type that does not map)."""
+    n = data.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        b = data.reshape(n, k // BLOCK, size)
+        d = _f16(b[..., 0:2])
+        off = -8 * d if kind == "Q4_0" else _f16(b[..., 2:4])
+        codes = b[..., size - 16:].reshape(n, k // 2)  # already our layout: low nibble j, high nibble j + 16
+        return Q4Weight(torch.from_numpy(codes.copy()), torch.from_numpy(d),
+                        torch.from_numpy(np.ascontiguousarray(off)))
+    if kind == "Q8_0":
+        b = data.reshape(n, k // BLOCK, 34)
+        d = _f16(b[..., 0:2])
+        codes = b[..., 2:].copy().view(np.int8).reshape(n, k)
+        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)))
+    if kind in ("Q5_0", "Q5_1"):  # d (, m), 32 fifth bits qh, 16 bytes of nibbles (byte j: inputs j, j + 16)
+        size = 22 if kind == "Q5_0" else 24
+        b = data.reshape(n, k // BLOCK, size)
+        d = _f16(b[..., 0:2])
+        off = -16 * d if kind == "Q5_0" else _f16(b[..., 2:4])  # Q5_0: w = d (q - 16); Q5_1: w = d q + m
+        qh = b[..., size - 20:size - 16].reshape(n, k // 8)  # already our layout, as are the nibbles
+        codes = b[..., size - 16:].reshape(n, k // 2)
+        return Q5Weight(torch.from_numpy(codes.copy()), torch.from_numpy(qh.copy()), torch.from_numpy(d),
+                        torch.from_numpy(np.ascontiguousarray(off)))
+    if kind == "Q5_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, qh[32], 128 bytes of nibbles
+        b = data.reshape(n, k // 256, 176)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k4_scales(b[..., 4:16])  # [N, S, 8]
+        qh = b[..., 16:48][:, :, None, None, :]  # [N, S, 1, 1, 32]: bit 2c (2c + 1) of byte l is the fifth bit of
+        q = b[..., 48:].reshape(n, k // 256, 4, 1, 32)  # input l (32 + l) of chunk c of 64
+        lo = np.concatenate([q & 15, q >> 4], axis=3)  # [N, S, 4, 2, 32]
+        shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, None, :, :, None]
+        codes = (lo | (((qh >> shift) & 1) << 4)).reshape(n, k)
+        scale = (d[..., None] * sc).reshape(n, k // BLOCK)
+        off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
+        return Q5Weight(*pack_q5(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off))
+    if kind == "Q4_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        b = data.reshape(n, k // 256, 144)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k4_scales(b[..., 4:16])  # [N, S, 8]
+        q = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 inputs: low nibbles 0..31, high 32..63
+        codes = np.stack([q & 15, q >> 4], axis=3).reshape(n, k)  # [N, S, 4, 2, 32] -> input order
+        scale = (d[..., None] * sc).reshape(n, k // BLOCK)
+        off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
+        return Q4Weight(pack_q4(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off))
+    if kind == "Q6_K":  # super-blocks of 256: ql[128], qh[64], 16 int8 scales, d
+        b = data.reshape(n, k // 256, 210)
+        ql, qh = b[..., :128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+        d = _f16(b[..., 208:210])
+        lo = np.concatenate([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+        hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
+        codes = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+        scale = (d[..., None] * sc).reshape(n, k // 16)
+        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(scale))
+    return None
+
+
+def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, str]]:
+    """The 2-D tensors of a GGUF file -> ({gguf name: weight} for those that map, {gguf name: type} for the rest)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: say which, not a numpy traceback
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    mapped: dict[str, QWeight] = {}
+    other: dict[str, str] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        kind = t.tensor_type.name
+        k = int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
+        try:
+            w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
+                kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and k % BLOCK == 0) else None
+        except Exception as e:  # noqa: BLE001 - name the tensor whose blocks do not fit
+            raise ValueError(f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) cannot be read: "
+                             f"{type(e).__name__}: {e}") from None
+        if w is None:
+            other[t.name] = kind
+        else:
+            mapped[t.name] = w
+    return mapped, other
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """HF parameter name of a LLaMA-family model (`model.layers.3.self_attn.q_proj.weight`) -> its GGUF tensor name
+    (`blk.3.attn_q.weight`); None for names without one here."""
+    table = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    parts = hf_name.split(".")
+    if hf_name in ("lm_head.weight",):
+        return "output.weight"
+    if hf_name.endswith("embed_tokens.weight"):
+        return "token_embd.weight"
+    if "layers" in parts:
+        i = parts.index("layers")
+        key = ".".join(parts[i + 2:-1])
+        if key in table and parts[-1] == "weight":
+            return f"blk.{parts[i + 1]}.{table[key]}.weight"
+    return None
+
+
+def llama_rope_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (its converter interleaves the two halves of each
+    head for its RoPE): HF row r is GGUF row perm[r]."""
+    dim = n_rows // n_heads // 2
+    return torch.arange(n_rows).view(n_heads, dim, 2).transpose(1, 2).reshape(n_rows)
+
+
+def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...]) -> QWeight | None:
+    """w as the model's own weight `reference` [N, K]: as is, or with llama.cpp's q/k row permutation undone (for
+    one of `head_counts`), whichever reproduces it; None if none does. The tolerance is relative (1e-3 of the
+    weight's norm): the model holds the same values rounded to its dtype, a wrong row order is off by ~1.4."""
+    if tuple(w.shape) != tuple(reference.shape):
+        return None
+    ref = reference.detach().float()
+    norm = float(ref.norm()) or 1.0
+
+    def close(x: QWeight) -> bool:
+        return float((x.dequantize().to(reference.dtype).float() - ref).norm()) <= 1e-3 * norm
+
+    if close(w):
+        return w
+    for h in head_counts:
+        if h and w.shape[0] % (2 * h) == 0:
+            p = w.select(llama_rope_rows(w.shape[0], h))
+            if close(p):
+                return p
+    return None
