@@ -22,9 +22,12 @@ import zlib
 from pathlib import Path
 from typing import Sequence
 
-from blockdraft.prompts.base import Prompt
+import numpy as np
 
-from .data import TRAIN_SEED_OFFSET, build_prompt_set, gsm_prompts, sharegpt_conversations, sharegpt_prompts
+from ..prompts.base import Prompt
+from .data import (TRAIN_SEED_OFFSET, build_prompt_set, chat_token_ids, gsm_prompts, sharegpt_conversations,
+                   sharegpt_prompts)
+from .live import prompt_of
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +269,6 @@ def write_tokenized(tokenizer, prompts: Sequence[Prompt], path: str | Path, max_
     `ids`, `tasks`): what a GPU regeneration round reads (no tokenizer or data package needed there). Prompts over
     `max_prompt_tokens`, and prompts whose token ids are in `skip` (already answered), are left out. Returns the
     count kept per task."""
-    import numpy as np
-
-    from .data import chat_token_ids
 
     kept: list[tuple[str, str, list[int]]] = []
     for p in prompts:
@@ -296,7 +296,6 @@ def write_tokenized(tokenizer, prompts: Sequence[Prompt], path: str | Path, max_
 
 def read_tokenized(path: str | Path) -> tuple[list[str], list[list[int]]]:
     """(ids, token id lists) back from `write_tokenized`'s file; ValueError if its arrays disagree."""
-    import numpy as np
 
     z = np.load(path)
     tok, off, ids = z["tokens"].astype(np.int64), z["offsets"], z["ids"]
@@ -307,6 +306,4 @@ def read_tokenized(path: str | Path) -> tuple[list[str], list[list[int]]]:
 
 def prompt_ids_of_records(records) -> set[tuple[int, ...]]:
     """The prompt token ids of regenerated records (the part before the loss mask starts)."""
-    from .live import prompt_of
-
     return {tuple(prompt_of(r)) for r in records}

