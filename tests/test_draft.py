@@ -61,7 +61,7 @@ def test_incremental_context_equals_full_context(target: TargetModel):
 
 def test_batched_context_kv_equals_per_layer_projection(target: TargetModel):
     """The one-matmul projection for all layers equals each layer's own k/v projection (naive reference)."""
-    from blockdraft.models.draft import apply_rope, rope_cos_sin
+    from blockdraft.models.draft_layers import apply_rope, rope_cos_sin
 
     draft = tiny_draft(target, layers=3)
     feats, _ = _inputs(target, draft)

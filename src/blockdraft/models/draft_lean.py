@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
-from .draft import DFlashDraftModel, apply_rope, rope_cos_sin
+from .draft import DFlashDraftModel
+from .draft_layers import apply_rope, rope_cos_sin
 from .lean import Linear, RopeRows, rms_norm, packed_linear_available  # rms_norm is draft.RMSNorm op for op
 from .quant import BLOCK, QuantLinear, quant_kernels, quantize
 

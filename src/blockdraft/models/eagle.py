@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import (CONFIG_NAME, MLP, WEIGHTS_NAME, RMSNorm, apply_rope, copy_target_final_norm, init_draft_weights,
-                    load_checked, read_draft_dir, rope_cos_sin, write_draft_dir)
+from .draft import (CONFIG_NAME, WEIGHTS_NAME, copy_target_final_norm, init_draft_weights, load_checked, read_draft_dir,
+                    write_draft_dir)
 from .draft_config import default_target_layer_ids, target_layer_shape
+from .draft_layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 
 ARCHITECTURE = "Eagle3DraftModel"
 

@@ -20,7 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..models.draft import DFlashDraftModel, Layer, apply_rope, rope_cos_sin
+from ..models.draft import DFlashDraftModel
+from ..models.draft_layers import Layer, apply_rope, rope_cos_sin
 
 
 def _layer_forward(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.draft import RMSNorm
+from ..models.draft_layers import RMSNorm
 from .teacher import TeacherSequence, feats_tensor
 
 
