@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from ..config import cache_dir
+from ..export.gguf import cached_gguf
 
 SERVER = "llama-server"
 _COUNTERS = {  # Prometheus names (tools/server/server-task.cpp) -> record fields
@@ -227,8 +228,6 @@ def default_draft_n(draft_dir: str | Path) -> int:
 
 def bf16_gguf(target: str | None, given: str | None) -> Path:
     """The bf16 GGUF of the target: `given`, else its export under the cache dir (written once)."""
-    from ..export.gguf import cached_gguf
-
     return Path(given) if given else cached_gguf(None, target, "bf16")
 
 
@@ -237,8 +236,6 @@ def build_server_runners(methods: list[str], *, target: str | None, target_gguf:
                          n_ctx: int, notes: list[str]) -> dict[str, ServerRunner]:
     """A started `ServerRunner` per requested `llamacpp-server*` / `llamacpp-dflash*` method; a method that cannot
     run is removed from `methods` with a note saying why. The caller closes the servers (`runner.server.close()`)."""
-    from ..export.gguf import cached_gguf
-
     out: dict[str, ServerRunner] = {}
     for m in SERVER_METHODS:
         if m not in methods:

@@ -1,0 +1,133 @@
+"""The package's layout, checked from its source: dependencies point one way (models <- decode <- train / eval /
+serve <- cli, with config, paths and prompts below them all), no import cycle, package code imported at module level
+outside the CLI, engines built in one place, and files of one concept each (no source file over MAX_LINES)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "blockdraft"
+MAX_LINES = 450
+MAX_SCRIPTS = 8
+# each room and the rooms it may import from (modules at the package root are shared helpers)
+ALLOWED = {
+    "root": {"root"},
+    "prompts": {"root", "prompts"},
+    "models": {"root", "models"},
+    "decode": {"root", "models", "decode"},
+    "export": {"root", "models", "export"},
+    "train": {"root", "prompts", "models", "decode", "train"},
+    "eval": {"root", "prompts", "models", "decode", "export", "eval"},
+    "serve": {"root", "models", "decode", "serve"},
+    "cli": {"root", "prompts", "models", "decode", "export", "train", "eval", "serve", "cli"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PKG / parts[1]).is_dir()) else "root"
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
+    """(imported blockdraft module, at module level) for every import of package code in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    top = set(map(id, tree.body))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            names = [name] + [f"{name}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] == "blockdraft":
+                out.append((n, id(node) in top))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for m, path in mods.items():
+        targets = set()
+        for name, top in _imports(m, path):
+            while name and name not in mods:
+                name = name.rsplit(".", 1)[0] if "." in name else ""
+            if name and top and name != m:
+                targets.add(name)
+        graph[m] = targets
+    return graph
+
+
+def test_dependencies_point_one_way():
+    bad = [f"{m} -> {t}" for m, ts in _graph().items() for t in ts
+           if _room(t) not in ALLOWED[_room(m)] and not t == "blockdraft"]
+    assert not bad, bad
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in graph.get(m, ()):
+            if t.startswith(m + "."):  # a package importing its own submodules is not a cycle
+                continue
+            if state.get(t) == 1 and not m.startswith(t + "."):
+                cycles.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_package_code_is_imported_at_module_level_outside_the_cli():
+    local = [f"{m}: {name}" for m, path in _modules().items() if _room(m) != "cli"
+             for name, top in _imports(m, path) if not top]
+    assert not local, local
+
+
+def test_engines_are_built_in_decode_only():
+    calls = []
+    for path in list(PKG.rglob("*.py")) + list((ROOT / "scripts").glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text(encoding="utf-8")
+        if "Engine(" in text.replace("class Engine(", "") and not rel.startswith("src/blockdraft/decode/"):
+            calls.append(rel)
+        if "DFlashProposer(" in text.replace("class DFlashProposer(", "") and rel not in (
+                "src/blockdraft/decode/spec.py", "src/blockdraft/decode/proposers/dflash.py"):
+            calls.append(rel)
+    assert not calls, calls
+
+
+def test_files_hold_one_concept_each():
+    long = {p.relative_to(ROOT).as_posix(): n for p in list(PKG.rglob("*.py")) + list((ROOT / "scripts").glob("*"))
+            if p.is_file() and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, long
+    scripts = [p.name for p in (ROOT / "scripts").iterdir() if not p.name.startswith(".")]
+    assert len(scripts) <= MAX_SCRIPTS, scripts
