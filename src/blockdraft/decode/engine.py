@@ -358,13 +358,15 @@ class Engine:
             g = max(0, min(row.block - 1, row.config.max_new_tokens - row.produced - 1, room))
             if per_row is not None:
                 g = min(g, per_row - 1)
-            out.append((row, g if row.proposer.proposes_trees else row.width.choose(g)))
+            out.append((row, g))
+        limits = [g for _, g in out]
+        out = [(row, g if row.proposer.proposes_trees else row.width.choose(g)) for row, g in out]
         if not self.batch_policy.drafts([(row.gain.value, g) for row, g in out]):
             self.plain_steps += 1
             out = [(row, 0) for row, _ in out]
-        for row, g in out:
+        for (row, g), limit in zip(out, limits):
             if not row.proposer.proposes_trees:
-                row.width.record(g)
+                row.width.record(g, limit)
         return out
 
     def _propose(self, limits: list[tuple[Sequence, int]], events: list[StepEvent]) -> list[Plan]:

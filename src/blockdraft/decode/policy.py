@@ -8,7 +8,8 @@ decision compares expected committed tokens per second, using
 - acceptance measured as decoding runs (`Acceptance`, or a row's running gain).
 
 A policy that stops drafting would never measure again, so each one drafts anyway after a run of skipped steps
-(`Explorer`): per row after EXPLORE_ROW skips, per batched step after EXPLORE_BATCH plain steps.
+(`Explorer`): per row, the full width after EXPLORE_ROW steps that drafted less (a narrowed chain never reaches, so
+never measures, the positions it leaves out); per batched step, after EXPLORE_BATCH plain steps.
 
 Policies:
 - `WidthPolicy` (per row): how many tokens a chain drafts this step, 0 .. limit;
@@ -57,8 +58,8 @@ class Explorer:
 
 
 class Acceptance:
-    """Running conditional acceptance per draft position: P(position i accepted | positions < i accepted), with a
-    prior of one accept in two trials."""
+    """Running conditional acceptance per draft position: P(position i accepted | positions < i accepted), from the
+    verifies that reached it, with a prior of one accept in two trials."""
 
     def __init__(self, positions: int) -> None:
         self.accepted, self.trials = [1.0] * positions, [2.0] * positions
@@ -70,8 +71,8 @@ class Acceptance:
             self.trials[i] += 1
             self.accepted[i] += i < accepted
 
-    def rate(self, i: int) -> float:
-        return self.accepted[i] / self.trials[i]
+    def rates(self) -> list[float]:
+        return [a / t for a, t in zip(self.accepted, self.trials)]
 
 
 class WidthPolicy:
@@ -91,26 +92,28 @@ class WidthPolicy:
         return self.verify_cost is not None
 
     def choose(self, limit: int) -> int:
-        """Tokens to draft now, 0..limit (the first step, and every step after EXPLORE_ROW skips, drafts limit)."""
+        """Tokens to draft now, 0..limit (the first step, and every step after EXPLORE_ROW narrower ones, drafts
+        limit)."""
         if self.verify_cost is None or limit <= 0:
             return max(0, limit)
         draft_s = self.draft_seconds.value
         if draft_s is None or self.explorer.due:
             return limit
         cost = self.verify_cost.chain
+        rates = self.acceptance.rates()
         best, best_rate, reach, expected = 0, 1.0 / cost(1), 1.0, 1.0
         for g in range(1, limit + 1):
-            reach *= self.acceptance.rate(g - 1)
+            reach *= rates[g - 1]
             expected += reach
             rate = expected / (cost(g + 1) + draft_s)
             if rate > best_rate:
                 best, best_rate = g, rate
         return best
 
-    def record(self, width: int) -> None:
-        """The width this step drafted (after the batch policy)."""
+    def record(self, width: int, limit: int) -> None:
+        """The width this step drafted (after the batch policy) of the `limit` it could have."""
         self.widths.append(width)
-        self.explorer.record(width > 0)
+        self.explorer.record(width >= limit)
 
     def drafted(self, seconds: float) -> None:
         self.draft_seconds.update(seconds)

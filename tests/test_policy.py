@@ -1,0 +1,112 @@
+"""The drafting policies (decode/policy.py) on cost-and-acceptance traces: the adaptive width is never slower than
+its fixed-width chain, and the running means, exploration and batch rule behave as stated."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from blockdraft.decode.calibrate import VerifyCost, monotone
+from blockdraft.decode.policy import (EXPLORE_BATCH, EXPLORE_ROW, BatchPolicy, Explorer, RunningMean, WidthPolicy,
+                                      expected_seconds_per_token)
+
+RECORDED = Path(__file__).resolve().parents[1] / "benchmarks" / "verify-cost" / "results.json"
+BLOCK = 16
+STEPS = 3000
+LEARNING_SLACK = 0.01  # the adaptive policy starts from a 50% acceptance prior: its first steps may draft too little
+
+
+def recorded_cost() -> VerifyCost:
+    """The default target's measured verify cost per width (1..16 tokens, lean bf16 path, two threads)."""
+    summary = json.loads(RECORDED.read_text())["summary"]["blockdraft (bf16)"]
+    seconds = monotone([summary[str(w)]["median_ms"] / 1e3 for w in range(1, BLOCK + 1)])
+    return VerifyCost(seconds)
+
+
+COSTS = {
+    "recorded": recorded_cost,
+    "flat": lambda: VerifyCost([0.03] * BLOCK),
+    "steep": lambda: VerifyCost([0.03 * (1 + 0.4 * (w - 1)) for w in range(1, BLOCK + 1)]),
+}
+ACCEPTANCE = {  # conditional acceptance per draft position
+    "strong": [0.9] * (BLOCK - 1),
+    "medium": [0.6] * (BLOCK - 1),
+    "weak": [0.15] * (BLOCK - 1),
+    "fading": [0.8 * 0.85 ** i for i in range(BLOCK - 1)],
+}
+
+
+def simulate(policy: WidthPolicy, cost: VerifyCost, rates: list[float], draft_s: float, seed: int = 0) -> float:
+    """Expected seconds per committed token of STEPS steps under `policy`: each step drafts the width the policy
+    chooses and is scored by its expected tokens and time; the acceptance the policy learns from is drawn from
+    `rates` with a seeded generator."""
+    rng = random.Random(seed)
+    seconds = tokens = 0.0
+    widths = [cost.chain(w) for w in range(1, BLOCK + 1)]
+    for _ in range(STEPS):
+        g = policy.choose(BLOCK - 1)
+        policy.record(g, BLOCK - 1)
+        per_token = expected_seconds_per_token(widths, rates, g, draft_s)
+        step = widths[g] + (draft_s if g else 0.0)
+        seconds += step
+        tokens += step / per_token
+        if g:
+            policy.drafted(draft_s)
+            a = 0
+            while a < g and rng.random() < rates[a]:
+                a += 1
+            policy.observe(g, a)
+    return seconds / tokens
+
+
+@pytest.mark.parametrize("cost_name", sorted(COSTS))
+@pytest.mark.parametrize("acceptance", sorted(ACCEPTANCE))
+@pytest.mark.parametrize("draft_ratio", [0.1, 0.5])
+def test_adaptive_width_is_never_slower_than_its_fixed_chain(cost_name, acceptance, draft_ratio):
+    """On every trace (a recorded and two synthetic verify-cost curves, four acceptance profiles, a cheap and a dear
+    draft) the adaptive width's expected seconds per token are at most the fixed-width chain's (LEARNING_SLACK
+    allows for its first steps, learnt from a prior)."""
+    cost, rates = COSTS[cost_name](), ACCEPTANCE[acceptance]
+    draft_s = draft_ratio * cost.chain(1)
+    fixed = simulate(WidthPolicy(BLOCK), cost, rates, draft_s)
+    adaptive = simulate(WidthPolicy(BLOCK, cost), cost, rates, draft_s)
+    assert fixed == pytest.approx(expected_seconds_per_token([cost.chain(w) for w in range(1, BLOCK + 1)],
+                                                             rates, BLOCK - 1, draft_s))
+    assert adaptive <= fixed * (1 + LEARNING_SLACK), (adaptive, fixed)
+
+
+def test_adaptive_width_skips_a_draft_that_does_not_pay_and_explores():
+    """A weak draft on a steep cost: most steps verify one token, one step in EXPLORE_ROW + 1 drafts to measure."""
+    cost, policy = COSTS["steep"](), WidthPolicy(BLOCK, COSTS["steep"]())
+    simulate(policy, cost, ACCEPTANCE["weak"], 0.5 * cost.chain(1))
+    drafted = sum(1 for w in policy.widths[100:] if w)
+    assert 0 < drafted <= len(policy.widths[100:]) // (EXPLORE_ROW + 1) + 1
+
+
+def test_running_mean_and_explorer():
+    m = RunningMean()
+    assert m.value is None and m.update(2.0) == 2.0 and m.update(1.0) == pytest.approx(1.8)
+    e = Explorer(3)
+    for drafted in (False, False):
+        e.record(drafted)
+    assert not e.due
+    e.record(False)
+    assert e.due
+    e.record(True)
+    assert not e.due and e.run == 0
+
+
+def test_batch_policy_drafts_where_it_pays():
+    """Several rows: a steep cost makes a plain step better (until EXPLORE_BATCH plain steps), a flat one drafts;
+    one row always drafts; draft_max_batch caps the rows that draft."""
+    steep = BatchPolicy(VerifyCost([float(w) ** 2 for w in range(1, 65)]))
+    rows = [(None, 7)] * 3
+    decisions = [steep.drafts(rows) for _ in range(EXPLORE_BATCH + 1)]
+    assert decisions == [False] * EXPLORE_BATCH + [True]
+    assert BatchPolicy(VerifyCost([1.0] * 64)).drafts(rows)
+    assert steep.drafts([(None, 7)])
+    assert not BatchPolicy(None, draft_max_batch=2).drafts(rows)
+    assert BatchPolicy(None).drafts(rows)
