@@ -17,11 +17,12 @@ import time
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.models.loading import build_engine, load_target, resolve_draft
+from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.models.loading import load_draft, load_target, resolve_draft
 
 
 def run(target, draft, prompt_a, prompt_b, chunk: int) -> dict:
-    eng = build_engine(target, draft)
+    eng = build_engine(target, load_draft(draft, target) if draft is not None else None, DecodeSpec())
     eng.prefill_chunk = chunk
     cfg = GenerationConfig(max_new_tokens=400, ignore_eos=True)
     a = eng.add(prompt_a, cfg)

@@ -6,7 +6,7 @@ So "what followed the last occurrence of my suffix" is out of its reach. On the 
 (teacher-forced, every anchor, the 8th-round draft) a 3-gram lookup match exists at 69% of anchors and its next
 token is right 84-90% of the time, while the draft is right there 58% (ShareGPT) to 81% (math); the draft or the
 lookup is right at 83% / 92% of anchors (ShareGPT / math) against the draft's 55% / 81% alone
-(`scripts/copy_ceiling.py`, `benchmarks/default-draft/2026-12-01-8eb22f7d/copy_ceiling.json`).
+(`experiments/copy_ceiling.py`, `benchmarks/default-draft/2026-12-01-8eb22f7d/copy_ceiling.json`).
 
 What it computes, for block row k (1..B-1) whose lookup candidate is token c (matched by a suffix n-gram of length
 n; rows without a candidate are left alone):

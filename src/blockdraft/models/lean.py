@@ -231,7 +231,7 @@ class LeanDecoder:
         self.compile_widths = tuple(compile_widths)
         self.compiled = bool(compile) and self._compile()
         # single-query steps attend through `grouped_decode_attention` (faster here); False = torch's SDPA kernel,
-        # kept to measure the difference (scripts/decode_attention_bench.py)
+        # kept to measure the difference (experiments/decode_attention_bench.py)
         self.grouped_single_query = True
         # every linear quantized: single-row batches run the whole stack in one native call (csrc/decoder.cpp)
         self.native, self.native_reason = self._build_native(hf_model)
@@ -381,7 +381,7 @@ class LeanDecoder:
             else:
                 masks.append(None)
             # a one-token step from GROUPED_MIN_KEYS keys on (below, the two measured alike, 0.95-1.07x within
-            # this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064: scripts/decode_attention_bench.py)
+            # this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064: experiments/decode_attention_bench.py)
             single.append(t == 1 and m is None and self.grouped_single_query and total >= GROUPED_MIN_KEYS)
         taps: dict[int, torch.Tensor] = {}
         fast = self.compiled and s_total in self.compile_widths

@@ -86,7 +86,7 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
                            settings.block_size, settings.vocab_size, settings.max_prompt_tokens)
     metrics = ServerMetrics(scheduler.queue_state, lambda: scheduler.engine.plain_steps)
     # Requests are parsed (tokenized) off the event loop on ONE thread: the tokenizer is locked anyway, so more threads
-    # add no throughput, and with anyio's pool of up to 40 threads the server's RSS crept up (scripts/soak.py on the
+    # add no throughput, and with anyio's pool of up to 40 threads the server's RSS crept up (blockdraft soak on the
     # tiny test model: 466 -> 498 MB over 1000 requests; one thread: flat at 478 MB over 2100). Python objects were
     # not leaking (tracemalloc); glibc gives each thread its own malloc arena, each with its own high-water mark.
     parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockdraft-parse")

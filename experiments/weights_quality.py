@@ -7,7 +7,7 @@ from the file). Each mode's fast path reads the same records and is scored per r
 Modes: `auto` (the file's own 4/8-bit blocks), `bf16` (float weights in the chosen dtype), `int8` / `int4`
 (quantized from the float weights, groups of 32).
 
-    .venv/bin/python scripts/weights_quality.py --records 24 --dtype bf16 --out benchmarks/weights/quality.json
+    .venv/bin/python experiments/weights_quality.py --records 24 --dtype bf16 --out benchmarks/weights/quality.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.eval.bench import machine_info
+from blockdraft.eval.machine import machine_info
 from blockdraft.models.loading import load_target
 from blockdraft.models.quant import plan_weights
 from blockdraft.models.target import TargetModel
@@ -69,7 +69,7 @@ def main() -> int:
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": "scripts/weights_quality.py " + " ".join(
+        path.write_text(json.dumps({"command": "experiments/weights_quality.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
             "machine": machine_info(), "results": out}, indent=1))
         print(f"wrote {path}")

@@ -5,7 +5,7 @@ interleaved round by round, same draft (the shipped default), same threads. Bloc
 per second of forward + backward + optimizer step; padding (anchor slots a shorter sequence leaves empty) is not
 counted, so the bucketed variant (train-fast's default) shows what bucketing saves.
 
-    .venv/bin/python scripts/train_throughput.py --threads 2 --rounds 4 --out benchmarks/smollm2-135m-fast-train/throughput.json
+    .venv/bin/python experiments/train_throughput.py --threads 2 --rounds 4 --out benchmarks/smollm2-135m-fast-train/throughput.json
 """
 
 from __future__ import annotations

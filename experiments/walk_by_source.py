@@ -4,7 +4,7 @@ where the records come from: gsm_symbolic math, the other reasoning-gym math gen
 held-out math shares its gsm_symbolic templates with training (only the benchmark's templates are kept out), so a
 draft that learned those templates' wording shows it here and not on the benchmark.
 
-    .venv/bin/python scripts/walk_by_source.py --draft old=models/smollm2-135m-dflash --draft new=runs/x/draft
+    .venv/bin/python experiments/walk_by_source.py --draft old=models/smollm2-135m-dflash --draft new=runs/x/draft
 """
 
 from __future__ import annotations

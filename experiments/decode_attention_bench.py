@@ -6,7 +6,7 @@ Each round decodes `--new` tokens after a prompt of `--context` tokens with one 
 alternates by round); reported: decode tokens/s (median over rounds) and the ratio, plus whether the greedy tokens
 agree (bf16: the kernels round differently, so a near-tie may flip).
 
-    .venv/bin/python scripts/decode_attention_bench.py --threads 2 --rounds 5
+    .venv/bin/python experiments/decode_attention_bench.py --threads 2 --rounds 5
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 Resumable: re-running the same command continues where the previous run stopped (the prompt set is rebuilt
 deterministically and ids already in the shards are skipped).
 
-    nohup .venv/bin/python scripts/regen_default.py > data/work/regen-smollm2.log 2>&1 &
+    nohup .venv/bin/python recipes/smollm2-135m-regen.py > data/work/regen-smollm2.log 2>&1 &
     # a fresh checkout: start from the committed packed records (data/smollm2-regen) instead of from zero
-    .venv/bin/python scripts/regen_default.py --from-packed data/smollm2-regen --batch-size 64 --threads 2
-    .venv/bin/python scripts/regen_default.py --only-task gsm --batch-size 64   # math prompts first
-    .venv/bin/python scripts/regen_default.py --bench      # tokens/s for a few batch sizes, ~1 min each
+    .venv/bin/python recipes/smollm2-135m-regen.py --from-packed data/smollm2-regen --batch-size 64 --threads 2
+    .venv/bin/python recipes/smollm2-135m-regen.py --only-task gsm --batch-size 64   # math prompts first
+    .venv/bin/python recipes/smollm2-135m-regen.py --bench      # tokens/s for a few batch sizes, ~1 min each
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-#!/usr/bin/env python
 """Learning curves of fast-training runs (their curve.jsonl) against the reference predictors (probes.json):
 held-out position-1 accuracy and implied tau (decode block 4) vs training minutes and block rows seen, and the
 replayed-decoding tau (`walk_tau`) where a run logged it.
 
-    .venv/bin/python scripts/plot_curves.py --probes P.json --run NAME=runs/x/curve.jsonl ... --out curves.png
+    blockdraft plot --probes P.json --run NAME=runs/x/curve.jsonl ... --out curves.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,12 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--run", action="append", required=True, help="NAME=path/to/curve.jsonl")
-    ap.add_argument("--probes", default=None)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def run(args) -> int:
+    """`blockdraft plot`: the curves of args.run (NAME=curve.jsonl) and args.probes into the image args.out."""
     fig, ax = plt.subplots(1, 4, figsize=(22, 4.8))
     for spec in args.run:
         name, path = spec.split("=", 1)
@@ -53,7 +47,3 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

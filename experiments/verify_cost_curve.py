@@ -14,7 +14,7 @@ differ most here: llama.cpp's single-token step is fast, its batched step much l
 Warm-up calls are excluded; the engines are interleaved in a rotating order inside every repeat; medians over the
 repeats with their min and max. Both engines run `--threads` threads.
 
-    .venv/bin/python scripts/verify_cost_curve.py --threads 2 --repeats 20
+    .venv/bin/python experiments/verify_cost_curve.py --threads 2 --repeats 20
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.eval.bench import machine_info
+from blockdraft.eval.machine import machine_info
 from blockdraft.models.loading import DEFAULT_DRAFTS, load_target, packaged_models_dir
-from draft_cost_curve import measure  # the same interleaved measuring loop as the draft cost curve (scripts/)
+from draft_cost_curve import measure  # the same interleaved measuring loop as the draft cost curve (experiments/)
 
 
 class EngineCase:
@@ -150,7 +150,7 @@ def main() -> int:
         times = measure(cases, args.max_n, args.repeats, args.warmup)
     config = {"target": src.name, "context": args.context, "threads": args.threads, "repeats": args.repeats,
               "warmup": args.warmup, "max_n": args.max_n, "seed": args.seed,
-              "command": " ".join(["scripts/verify_cost_curve.py"] + sys.argv[1:])}
+              "command": " ".join(["experiments/verify_cost_curve.py"] + sys.argv[1:])}
     write_outputs(Path(args.out), times, config, notes)
     for m, per_n in times.items():
         one = statistics.median(per_n[1])

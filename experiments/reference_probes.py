@@ -2,7 +2,7 @@
 """The two reference predictors of a learning curve, on the held-out anchors a training run with the same settings
 scores: a bigram table (the last token alone) and a linear probe of one tapped target layer (train/probes.py).
 
-    .venv/bin/python scripts/reference_probes.py --cache cache/teacher-smollm2/train \
+    .venv/bin/python experiments/reference_probes.py --cache cache/teacher-smollm2/train \
         --heldout-cache cache/teacher-smollm2/heldout --layer 27 --out benchmarks/smollm2-135m-fast-train/probes.json
 
 Training a draft is `blockdraft train --config recipes/<target>.yaml`.

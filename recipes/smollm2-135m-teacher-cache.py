@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Cache the default target's outputs (tapped features, greedy labels, top-k logits) over its regenerated training
-records and the held-out split, once, for `scripts/train_fast_default.py` (train/teacher.py). Resumable.
+records and the held-out split, once, for `blockdraft train --config recipes/smollm2-135m-dflash.yaml` (train/teacher.py). Resumable.
 
-    .venv/bin/python scripts/teacher_cache_default.py --limit 1920 --threads 2
+    .venv/bin/python recipes/smollm2-135m-teacher-cache.py --limit 1920 --threads 2
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from train_default import heldout_records, regenerated_records
+from smollm2_data import heldout_records, regenerated_records
 
 from blockdraft.models.loading import load_target
 from blockdraft.train.teacher import build_teacher_cache

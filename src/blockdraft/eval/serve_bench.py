@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Serving benchmark over HTTP with the `openai` client: per-request decode speed and aggregate throughput of
 `blockdraft serve` at several concurrency levels, against `blockdraft generate`'s engine on the same prompts.
 
-For each method (`ar` = `--draft none`, `dflash` = the shipped draft with the server's default method) one real
-server process is started (`python -m blockdraft.serve.app`, the given --threads). Then, prompt by prompt, the
+For each method (a name of the decode registry: `ar`, `dflash`, ...; the draft is --draft, default the shipped one)
+one real server process is started (`blockdraft serve --method M`, the given --threads). Then, prompt by prompt, the
 same greedy request runs once in this process through the engine `blockdraft generate` uses and once through the
 server with concurrency 1 (interleaved, so both see the same machine; a plain, non-streaming request, so that the
 client sits idle while the server decodes: on a 2-core machine a client parsing a stream takes a core from the
@@ -15,24 +14,28 @@ max(c, --min-requests) have completed.
 Reported per level: total completion tokens / wall seconds, per-request decode tok/s on the client's clock
 ((completion tokens - 1) / (last chunk - first chunk)), mean time to first token, mean tau.
 
-    .venv/bin/python scripts/serve_bench.py --threads 2 --out benchmarks/serving/DATE/serve.md
+    blockdraft serve-bench --threads 2 --out benchmarks/serving/DATE/serve.md
 
 Prompts: the bench's math, code and chat tasks (`--n` each), which no draft trained on.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from soak import ServerProcess  # the soak test's server launcher: same process, flags and readiness probe
+from ..config import GenerationConfig
+from ..decode.spec import DecodeSpec, build_engine
+from ..models.loading import encode_prompt, load_draft, load_target, resolve_draft
+from ..prompts import load_task
+from .soak import ServerProcess  # the soak test's server launcher: same process, flags and readiness probe
 
 
 def stream_one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -97,27 +100,9 @@ def level(client, model: str, prompts: list[list[dict]], concurrency: int, n_req
             "ttft_mean_s": statistics.mean(r["ttft"] for r in recs), "tau": statistics.mean(taus) if taus else None}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=None)
-    p.add_argument("--draft", default=None, help="draft for the dflash method (default: the shipped one)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--tasks", default="math,code,chat")
-    p.add_argument("--n", type=int, default=3, help="prompts per task")
-    p.add_argument("--concurrency", default="1,2,4,8")
-    p.add_argument("--min-requests", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--methods", default="ar,dflash")
-    p.add_argument("--out", default=None, help="also write the markdown (and a .json next to it)")
-    args = p.parse_args(argv)
-
-    from openai import OpenAI
-
-    from blockdraft.prompts import load_task
-    from blockdraft.models.loading import build_engine, encode_prompt, load_target, resolve_draft
-    from blockdraft.config import GenerationConfig
+def run(args) -> int:
+    """`blockdraft serve-bench`: the comparison above, printed as markdown (and written to args.out)."""
+    from openai import OpenAI  # a test dependency, needed only here
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -127,12 +112,13 @@ def main(argv=None) -> int:
     cfg = GenerationConfig(max_new_tokens=args.max_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]
     draft_path = resolve_draft(args.draft, src.name)
+    draft = load_draft(draft_path, target) if draft_path is not None else None
     rows, solo = [], []
     for method in args.methods.split(","):
-        engine = build_engine(target, draft_path if method == "dflash" else None)
-        server_args = argparse.Namespace(max_batch=args.max_batch, max_queue=256, max_tokens=args.max_tokens,
-                                         dtype=args.dtype, threads=args.threads, target=args.target,
-                                         draft="none" if method == "ar" else args.draft)
+        engine = build_engine(target, draft, DecodeSpec(method))
+        server_args = SimpleNamespace(max_batch=args.max_batch, max_queue=256, max_tokens=args.max_tokens,
+                                      dtype=args.dtype, threads=args.threads, target=args.target,
+                                      draft="none" if method == "ar" else args.draft, method=method)
         log = Path(f"/tmp/serve-bench-{method}.log")
         server = ServerProcess(server_args, log)
         try:
@@ -194,7 +180,3 @@ def main(argv=None) -> int:
         Path(args.out).write_text(md + "\n")
         Path(args.out).with_suffix(".json").write_text(json.dumps({"solo": solo, "levels": rows}, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ positions already in its cache. Weights are untrained (timing does not depend on
 threads. Warm-up calls are excluded; the methods are interleaved in a rotating order inside every repeat so machine
 drift hits them alike; the median over repeats is reported with the min and max.
 
-    .venv/bin/python scripts/draft_cost_curve.py --threads 1 --repeats 30
+    .venv/bin/python experiments/draft_cost_curve.py --threads 1 --repeats 30
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from blockdraft.config import SamplingParams
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.models.eagle import EagleConfig, EagleDraftModel
-from blockdraft.eval.bench import machine_info
+from blockdraft.eval.machine import machine_info
 from blockdraft.models.loading import default_mask_token_id, load_target
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from blockdraft.decode.proposers.eagle import EagleProposer
@@ -156,7 +156,7 @@ def main() -> int:
     times = measure(cases, args.max_n, args.repeats, args.warmup)
     config = {"target": src.name, "dtype": "bf16", "context": args.context, "threads": args.threads,
               "repeats": args.repeats, "warmup": args.warmup, "max_n": args.max_n, "seed": args.seed,
-              "command": " ".join(["scripts/draft_cost_curve.py"] + sys.argv[1:])}
+              "command": " ".join(["experiments/draft_cost_curve.py"] + sys.argv[1:])}
     write_outputs(Path(args.out), times, config)
     for m, per_n in times.items():
         print(m, " ".join(f"{1e3 * statistics.median(ts):.1f}" for ts in per_n.values()), "ms")

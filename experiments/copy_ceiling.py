@@ -5,7 +5,7 @@ suffix n-gram found earlier in the text, 0 = none), how often the lookup candida
 often the draft's own choice is (its plain head: a copy gate is ignored here), and how often either is. The
 "either" figure is the ceiling a gate choosing between the two could reach at position 1.
 
-    .venv/bin/python scripts/copy_ceiling.py --draft models/smollm2-135m-dflash --records 48 \
+    .venv/bin/python experiments/copy_ceiling.py --draft models/smollm2-135m-dflash --records 48 \
         --out benchmarks/default-draft/2026-12-01-8eb22f7d/copy_ceiling.json
 """
 

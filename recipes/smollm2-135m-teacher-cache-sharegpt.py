@@ -11,8 +11,8 @@ target would have written (`FastConfig.chain_labels`). Prefill runs ~10x the tok
 Decontamination: the same prompt split as the regeneration (`select_regeneration_prompts`: eval tasks removed,
 held-out split excluded); only train-side conversations are used.
 
-    .venv/bin/python scripts/teacher_cache_sharegpt.py --limit 3000 --threads 2
-    .venv/bin/python scripts/teacher_cache_sharegpt.py --skip 3072 --limit 5632 --layers 1,9,18,24,27,29 \
+    .venv/bin/python recipes/smollm2-135m-teacher-cache-sharegpt.py --limit 3000 --threads 2
+    .venv/bin/python recipes/smollm2-135m-teacher-cache-sharegpt.py --skip 3072 --limit 5632 --layers 1,9,18,24,27,29 \
         --out cache/teacher-smollm2/sharegpt-tf6    # the next 2560 records, with the six layers of the regen cache
 """
 
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from train_default import regenerated_records
+from smollm2_data import regenerated_records
 
 from blockdraft.models.loading import load_target
 from blockdraft.train.conversations import conversation_record

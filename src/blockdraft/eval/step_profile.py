@@ -10,12 +10,11 @@ the draft's tapped layers included), the cache cropped back after each. Configur
 Each configuration runs `--reps` timed steps per round, rounds rotate the order, the median is reported; one
 `torch.profiler` table per configuration (W = 1) shows where the time goes.
 
-    .venv/bin/python scripts/step_profile.py --dtype bf16 --widths 1,4,8,16 --out benchmarks/step-profile/run.json
+    blockdraft step-profile --dtype bf16 --widths 1,4,8,16 --out benchmarks/step-profile/run.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -23,30 +22,20 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.eval.bench import machine_info
-from blockdraft.models.loading import load_target
-from blockdraft.models.quant import quant_kernels
-from blockdraft.models.target import TargetModel
+from ..models.loading import load_target
+from ..models.quant import quant_kernels
+from ..models.target import TargetModel
+from .machine import machine_info
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--context", type=int, default=200)
-    p.add_argument("--widths", default="1,4,8,16")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layers", default="1,27", help="tapped target layers (the default draft's)")
-    p.add_argument("--paths", default="bf16-python,auto-python,auto-native", help="configurations to time")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def run(args) -> int:
+    """`blockdraft step-profile`: time the configurations of args.paths (see above)."""
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     widths = [int(w) for w in args.widths.split(",")]
     taps = tuple(int(x) for x in args.layers.split(","))
 
-    auto, _ = load_target(None, args.dtype, weights="auto")
+    auto, _ = load_target(args.target, args.dtype, weights="auto")
     auto.set_layer_ids(taps)
     python = TargetModel(auto.hf, auto.tokenizer, layer_ids=taps, weights=auto.weights)
     python.lean.native = None  # the same quantized weights through the Python layers
@@ -102,13 +91,9 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "scripts/step_profile.py " + " ".join(
+        out.write_text(json.dumps({"command": "blockdraft step-profile " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
             "machine": machine_info(), "weights": auto.weights.describe(), "kernel_isa": best_isa, "ms": table,
             "profiles": profiles}, indent=1))
         print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@
 prompt lookup against the tree with lookup branches, on the default target. Acceptance only: these
 budgets are fixed, so the figures do not depend on the machine's speed (run `blockdraft bench` for speed).
 
-    .venv/bin/python scripts/tree_tau.py --n 2 --max-new-tokens 64 --budgets 8,16,32,63 --threads 1
+    .venv/bin/python experiments/tree_tau.py --n 2 --max-new-tokens 64 --budgets 8,16,32,63 --threads 1
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ import json
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.models.draft import DFlashDraftModel
-from blockdraft.decode.engine import Engine
+from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.models.loading import encode_prompt, load_draft, load_target, resolve_draft
 from blockdraft.prompts import load_task
-from blockdraft.models.loading import build_tree_engine, encode_prompt, load_target, resolve_draft
-from blockdraft.decode.proposers.dflash import DFlashProposer
-from blockdraft.decode.proposers.lookup import PromptLookupProposer
 
 
 def main() -> int:
@@ -38,12 +35,12 @@ def main() -> int:
     path = resolve_draft(args.draft, src.name)
     if path is None:
         raise SystemExit("no DFlash draft (--draft DIR)")
-    draft = DFlashDraftModel.from_pretrained(path, dtype=target.dtype)
-    engines = {"dflash (chain)": Engine(target, DFlashProposer(draft, target)),
-               "pld": Engine(target, PromptLookupProposer())}
+    draft = load_draft(path, target)
+    engines = {"dflash (chain)": build_engine(target, draft, DecodeSpec("dflash")),
+               "pld": build_engine(target, None, DecodeSpec("pld"))}
     for b in (int(x) for x in args.budgets.split(",")):
-        engines[f"dflash-tree b={b}"] = build_tree_engine(target, None, budget=b, draft=draft)
-        engines[f"dflash+lookup b={b}"] = build_tree_engine(target, None, lookup=True, budget=b, draft=draft)
+        engines[f"dflash-tree b={b}"] = build_engine(target, draft, DecodeSpec("dflash-tree", tree_budget=b))
+        engines[f"dflash+lookup b={b}"] = build_engine(target, draft, DecodeSpec("dflash+lookup", tree_budget=b))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     counts = {k: {} for k in engines}  # method -> task -> [tokens, steps]
     for task in ("math", "code", "chat"):

@@ -3,7 +3,7 @@
 prompt by prompt in a rotating order. Reports tau, decode tok/s, draft/verify ms per step and the paired decode
 speedup over `ar`, overall and per task. Used for full vs reduced draft vocabulary and for draft depths.
 
-    .venv/bin/python scripts/compare_drafts.py --draft full=runs/smollm2-l2/draft --draft reduced=runs/smollm2-l2-v8k \
+    .venv/bin/python experiments/compare_drafts.py --draft full=runs/smollm2-l2/draft --draft reduced=runs/smollm2-l2-v8k \
         --n 4 --max-new-tokens 96 --threads 1 --out benchmarks/smollm2-135m-fast/vocab
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import GenerationConfig
-from blockdraft.decode.engine import Engine
+from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.models.loading import encode_prompt, load_draft, load_target
 from blockdraft.prompts import load_task
-from blockdraft.models.loading import build_engine, encode_prompt, load_target
 
 
 def main() -> int:
@@ -35,13 +35,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target(None, "bf16")
-    engines = {"ar": Engine(target)}
+    engines = {"ar": build_engine(target, None, DecodeSpec("ar"))}
     for spec in args.draft:
         name, _, path = spec.partition("=")
         path, _, block = path.partition("@")
         if not path or name in engines or (block and not block.isdigit()):
             raise SystemExit(f"--draft wants NAME=DIR[@B] with distinct names, got {spec!r}")
-        engines[name] = build_engine(target, Path(path), int(block) if block else None)
+        engines[name] = build_engine(target, load_draft(path, target), DecodeSpec(block_size=int(block) if block else None))
     names = list(engines)
     prompts = [p for t in args.tasks.split(",") for p in load_task(t, n=args.n, seed=0)]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -80,7 +80,7 @@ def main() -> int:
         task, m = key.split("/", 1)
         lines.append(f"| {task} | {m} | {s['tau']:.3f} | {s['decode_tps_median']:.1f} | {s['draft_ms_per_step']:.1f} | "
                      f"{s['verify_ms_per_step']:.1f} | {s['speedup_median']:.2f}x | {s['same_as_ar']:.0%} |")
-    cmd = " ".join(["scripts/compare_drafts.py"] + sys.argv[1:])
+    cmd = " ".join(["experiments/compare_drafts.py"] + sys.argv[1:])
     (out / "report.md").write_text(f"# Drafts compared\n\n`{cmd}`, {len(prompts)} prompts "
                                    f"({args.tasks}), {args.threads} thread(s)\n\n" + "\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"command": cmd, "summary": summary, "records": records}, indent=1))
