@@ -246,7 +246,7 @@ def register(sub) -> None:
     x = sub.add_parser("export", help="export a DFlash draft (or, without --draft, the target) for llama.cpp")
     x.add_argument("--format", default="gguf", choices=["gguf"])
     x.add_argument("--draft", default=None, help="DFlash draft directory (omit: export the target itself)")
-    x.add_argument("--target", default=None, help="the target's GGUF file (default: packaged SmolLM2-135M)")
+    add_target(x, "the target's GGUF file (default: packaged SmolLM2-135M)")
     x.add_argument("--outtype", default="bf16", choices=["bf16", "f32"])
     x.add_argument("--out", required=True, help="output .gguf file")
     x.set_defaults(func=cmd_export)
