@@ -8,8 +8,10 @@ decision compares expected committed tokens per second, using
 - acceptance measured as decoding runs (`Acceptance`, or a row's running gain).
 
 A policy that stops drafting would never measure again, so each one drafts anyway after a run of skipped steps
-(`Explorer`): per row, the full width after EXPLORE_ROW steps that drafted less (a narrowed chain never reaches, so
-never measures, the positions it leaves out); per batched step, after EXPLORE_BATCH plain steps.
+(`Explorer`): per row after EXPLORE_ROW steps that drafted less than they could, twice the chosen width (at least
+one token: a narrowed chain never reaches, so never measures, the positions it leaves out); per batched step after
+EXPLORE_BATCH plain steps. Explorations that keep confirming the skip are spaced ever further apart (up to
+EXPLORE_BACKOFF times), so that where drafting does not pay the policy costs next to nothing over plain decoding.
 
 Policies:
 - `WidthPolicy` (per row): how many tokens a chain drafts this step, 0 .. limit;
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 EXPLORE_ROW = 8  # per row: after this many steps without drafting, one step drafts to measure again
 EXPLORE_BATCH = 16  # per engine: after this many plain steps of several rows, one step drafts to measure again
+EXPLORE_BACKOFF = 16  # explorations the policy does not follow stretch its interval, up to this many times
 SMOOTHING = 0.2  # weight of the newest sample in every running mean
 GAIN_PRIOR = 1.0  # tokens a drafted step commits beyond the verified one, before a row has measured its own
 
@@ -42,19 +45,35 @@ class RunningMean:
 
 
 class Explorer:
-    """Counts decisions not to draft in a row; once `every` have gone by, the next step must draft (`due`)."""
+    """When a policy that chose not to draft (or to draft less) must draft anyway to measure again: `due` once
+    `interval` skipped steps have gone by in a row. An exploration the policy does not follow (the next step skips
+    again) doubles the interval, up to EXPLORE_BACKOFF times `every`: a draft that keeps not paying is measured ever
+    more rarely, so that its measurements cost a vanishing share of the steps; a step that drafts by the policy's
+    own choice brings the interval back to `every`."""
 
-    __slots__ = ("every", "run")
+    __slots__ = ("every", "interval", "run", "_explored")
 
     def __init__(self, every: int) -> None:
-        self.every, self.run = every, 0
+        self.every, self.interval, self.run, self._explored = every, every, 0, False
 
     @property
     def due(self) -> bool:
-        return self.run >= self.every
+        return self.run >= self.interval
 
-    def record(self, drafted: bool) -> None:
-        self.run = 0 if drafted else self.run + 1
+    def skip(self) -> None:
+        """This step did not draft (or drafted less than it could)."""
+        if self._explored:
+            self.interval = min(2 * self.interval, EXPLORE_BACKOFF * self.every)
+            self._explored = False
+        self.run += 1
+
+    def explore(self) -> None:
+        """This step drafted because exploring was due."""
+        self.run, self._explored = 0, True
+
+    def draft(self) -> None:
+        """This step drafted by the policy's own choice."""
+        self.run, self._explored, self.interval = 0, False, self.every
 
 
 class Acceptance:
@@ -86,19 +105,28 @@ class WidthPolicy:
         self.draft_seconds = RunningMean()  # one draft call for this row
         self.explorer = Explorer(EXPLORE_ROW)
         self.widths: list[int] = []  # tokens drafted per step
+        self._exploring = False  # the last `choose` explored
 
     @property
     def adaptive(self) -> bool:
         return self.verify_cost is not None
 
     def choose(self, limit: int) -> int:
-        """Tokens to draft now, 0..limit (the first step, and every step after EXPLORE_ROW narrower ones, drafts
-        limit)."""
+        """Tokens to draft now, 0..limit: the best width, the whole limit on the first step (nothing measured yet),
+        twice the best width (at least one token) when exploring is due."""
+        self._exploring = False
         if self.verify_cost is None or limit <= 0:
             return max(0, limit)
         draft_s = self.draft_seconds.value
-        if draft_s is None or self.explorer.due:
+        if draft_s is None:
             return limit
+        best = self._best(limit, draft_s)
+        if best < limit and self.explorer.due:
+            self._exploring = True
+            return min(limit, max(1, 2 * best))
+        return best
+
+    def _best(self, limit: int, draft_s: float) -> int:
         cost = self.verify_cost.chain
         rates = self.acceptance.rates()
         best, best_rate, reach, expected = 0, 1.0 / cost(1), 1.0, 1.0
@@ -113,7 +141,14 @@ class WidthPolicy:
     def record(self, width: int, limit: int) -> None:
         """The width this step drafted (after the batch policy) of the `limit` it could have."""
         self.widths.append(width)
-        self.explorer.record(width >= limit)
+        if limit <= 0:
+            return
+        if width == 0 or (width < limit and not self._exploring):
+            self.explorer.skip()
+        elif self._exploring:
+            self.explorer.explore()
+        else:
+            self.explorer.draft()
 
     def drafted(self, seconds: float) -> None:
         self.draft_seconds.update(seconds)
@@ -137,15 +172,20 @@ class BatchPolicy:
 
     def drafts(self, rows: list[tuple[float | None, int]]) -> bool:
         """rows: (running gain or None, tokens it may draft) per active row; a single row always drafts."""
-        ok = len(rows) <= 1 or self._pays(rows)
-        self.explorer.record(ok)
-        return ok
+        if len(rows) <= 1 or self._pays(rows):
+            self.explorer.draft()
+            return True
+        if self.explorer.due and (self.draft_max_batch is None or len(rows) <= self.draft_max_batch):
+            self.explorer.explore()
+            return True
+        self.explorer.skip()
+        return False
 
     def _pays(self, rows: list[tuple[float | None, int]]) -> bool:
         if self.draft_max_batch is not None and len(rows) > self.draft_max_batch:
             return False
         cost = self.verify_cost
-        if cost is None or not any(g for _, g in rows) or self.explorer.due:
+        if cost is None or not any(g for _, g in rows):
             return True
         b = len(rows)
         width = sum(g + 1 for _, g in rows)

@@ -143,9 +143,12 @@ class TreeProposer(TreeProposerBase):
         q, top = None, None
         d_draft = min(max_depth, self.draft_depth)
         if d_draft > 0 and self._lookups and self.budget is None and self._predicted.value is not None:
-            runs = self._explorer.due or self._draft_pays(root, budget, conf, max_depth)
-            self._explorer.record(runs)
-            if not runs:
+            if self._draft_pays(root, budget, conf, max_depth):
+                self._explorer.draft()
+            elif self._explorer.due:
+                self._explorer.explore()
+            else:
+                self._explorer.skip()
                 d_draft = 0
                 self.draft_skips += 1
         self._both = d_draft > 0 and bool(self._lookups)
