@@ -194,9 +194,8 @@ def build_engine(target: TargetModel, draft: DFlashDraftModel | EagleDraftModel 
     needs_cost = entry.calibrated(spec) or (spec.batch_policy == "measured" and spec.method != "ar")
     if needs_cost and verify_cost is None:
         # calibrate the verify as it will run: the proposer's taps included
-        taps = tuple(draft.config.target_layer_ids) if draft is not None and entry.draft is not None else ()
-        if taps and isinstance(draft, DFlashDraftModel) and draft.config.extra.get("no_target_features", False):
-            taps = ()
+        taps = () if draft is None or entry.draft is None else (
+            draft.context_layer_ids if isinstance(draft, DFlashDraftModel) else tuple(draft.config.target_layer_ids))
         verify_cost = load_or_measure(target, refresh=spec.recalibrate, taps=taps)
     proposer = entry.proposer(target, draft, spec, verify_cost)
     engine = Engine(target, proposer, width_cost=verify_cost if entry.adaptive_width else None,

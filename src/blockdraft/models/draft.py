@@ -196,6 +196,12 @@ class DFlashDraftModel(nn.Module):
         return self.config.block_size
 
     @property
+    def context_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose outputs form this draft's context; none for a draft trained without target
+        features (the paper's ablation: the block sees itself only)."""
+        return () if self.config.extra.get("no_target_features", False) else tuple(self.config.target_layer_ids)
+
+    @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 

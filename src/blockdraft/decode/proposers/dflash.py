@@ -37,8 +37,8 @@ class DFlashProposer(Proposer):
         self.block_size = bs
         self.denoise_steps = denoise_steps
         # A draft trained with --no-target-features (the paper's ablation) has no context: the block sees itself only.
-        self.use_context = not draft.config.extra.get("no_target_features", False)
-        self.layer_ids = tuple(draft.config.target_layer_ids) if self.use_context else ()
+        self.layer_ids = draft.context_layer_ids
+        self.use_context = bool(self.layer_ids)
         cfg = draft.config
         self.vocab_ids = draft.vocab_ids  # [Vd] target ids of a reduced draft vocabulary, or None
         self._head = None  # the reduced LM head (its rows gathered once, prepacked for bf16), built on first use
