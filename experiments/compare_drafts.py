@@ -41,7 +41,8 @@ def main() -> int:
         path, _, block = path.partition("@")
         if not path or name in engines or (block and not block.isdigit()):
             raise SystemExit(f"--draft wants NAME=DIR[@B] with distinct names, got {spec!r}")
-        engines[name] = build_engine(target, load_draft(path, target), DecodeSpec(block_size=int(block) if block else None))
+        spec = DecodeSpec(block_size=int(block) if block else None)
+        engines[name] = build_engine(target, load_draft(path, target), spec)
     names = list(engines)
     prompts = [p for t in args.tasks.split(",") for p in load_task(t, n=args.n, seed=0)]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)

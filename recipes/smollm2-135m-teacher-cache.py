@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Cache the default target's outputs (tapped features, greedy labels, top-k logits) over its regenerated training
-records and the held-out split, once, for `blockdraft train --config recipes/smollm2-135m-dflash.yaml` (train/teacher.py). Resumable.
+records and the held-out split, once, for `blockdraft train --config recipes/smollm2-135m-dflash.yaml`
+(train/teacher.py). Resumable.
 
     .venv/bin/python recipes/smollm2-135m-teacher-cache.py --limit 1920 --threads 2
 """

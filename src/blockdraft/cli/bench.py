@@ -23,7 +23,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="comma list of math,code,chat (the benchmark sets) and user-math,user-code,user-chat (prompts "
                         "as users write them, never trained on)")
     p.add_argument("--methods", type=csv, default=bench.BenchConfig.methods,
-                   help="comma list of " + ",".join(bench.METHODS) + " (default: " + ",".join(bench.DEFAULT_METHODS) + ")")
+                   help="comma list of " + ",".join(bench.METHODS)
+                        + " (default: " + ",".join(bench.DEFAULT_METHODS) + ")")
     p.add_argument("--n", type=int, default=bench.BenchConfig.n, help="prompts per task (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=bench.BenchConfig.max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.0)

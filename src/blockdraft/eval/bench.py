@@ -1,17 +1,11 @@
 """`blockdraft bench`: paired speed benchmark of decoding methods on one shared target.
 
 Methods:
-- `ar`: the engine with no proposer (plain autoregressive decoding), the baseline of every ratio;
-- `dflash`: the engine with the DFlash draft (skipped, with a note, when there is no draft);
-- `dflash-adaptive`: `dflash` choosing per step how many tokens to draft (0 .. block size - 1) from a verify-cost
-  calibration measured at start, the draft's measured time and its running acceptance (what `generate` does unless
-  `--fixed-width`);
-- `dflash-tree`, `dflash+lookup`: the same draft's candidate tree (its best branches) verified in one target forward,
-  and that tree with prompt-lookup continuations as extra branches (`--tree-budget N` fixes the nodes per
-  step, default: chosen per step from a verify-cost calibration measured when the benchmark starts);
-- `pld`: the engine with prompt-lookup drafting (`PromptLookupProposer`);
-- `eagle`: the engine with an EAGLE-3 drafter (`EagleProposer`, chains of --gamma tokens; skipped, with a note,
-  without --eagle-draft), the autoregressive-drafter baseline of the paper;
+- the decoding methods of the registry (`decode/spec.py`, the README's "Decoding methods"), each built from its
+  `DecodeSpec` by `build_engine` on the shared target: `ar` (the baseline of every ratio), `dflash`,
+  `dflash-adaptive`, `dflash-tree`, `dflash+lookup`, `lookup-tree`, `pld`, `eagle` (chains of --gamma tokens; needs
+  --eagle-draft). A method whose draft is missing is skipped with a note; the methods whose choices read the target's
+  verify cost share one calibration measured when the benchmark starts;
 - `ar-hf`, `dflash-hf`: `ar` and `dflash` with the target run through its Hugging Face modules and dynamic cache
   instead of the lean path (`lean.py`): the "before" of the lean path, for the per-step time split;
 - `hf`: Hugging Face `generate` (eager) on the same HF model, plain decoding: what a transformers user gets;
@@ -66,9 +60,9 @@ from .report import fmt_temperature, make_plots, render_report, summarize_record
 log = logging.getLogger(__name__)
 
 # engine methods are names of the decode registry (`decode.spec`); the others are external references
-METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "pld", "hf-pld", "eagle", "ar-hf",
-           "dflash-hf", "hf", "llamacpp", "llamacpp-pld", "llamacpp-bf16", "llamacpp-server", "llamacpp-server-bf16",
-           "llamacpp-dflash", "llamacpp-dflash-bf16")
+METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "lookup-tree", "pld", "hf-pld", "eagle",
+           "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld", "llamacpp-bf16", "llamacpp-server",
+           "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
 # external references run at temperature 0 only
 GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash",

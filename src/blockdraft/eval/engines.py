@@ -29,8 +29,8 @@ from .llamacpp_server import SERVER_METHODS, bf16_gguf, build_server_runners
 
 # engine methods: registry names, and their Hugging Face path variants
 DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup")
-ENGINE_METHODS = ("ar",) + DFLASH_METHODS + ("pld", "eagle", "ar-hf", "dflash-hf")
-TREE_METHODS = ("dflash-tree", "dflash+lookup")
+ENGINE_METHODS = ("ar",) + DFLASH_METHODS + ("lookup-tree", "pld", "eagle", "ar-hf", "dflash-hf")
+TREE_METHODS = ("dflash-tree", "dflash+lookup", "lookup-tree")
 # methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights
 WEIGHTS_METHODS = ("ar",) + DFLASH_METHODS + ("pld",)
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-bf16")
@@ -53,9 +53,9 @@ class Built:
 
 
 def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list[str]) -> Built:
-    """Load what cfg (a `BenchConfig`) names that the caller did not give (methods run in the order of `order`): the target, the DFlash draft (a
-    directory, a loaded `DFlashDraftModel`, or None: cfg.draft resolved), then build every method's engine or
-    runner; a method that cannot run here is dropped with a note."""
+    """Load what cfg (a `BenchConfig`) names that the caller did not give: the target, the DFlash draft (a
+    directory, a loaded `DFlashDraftModel`, or None: cfg.draft resolved); then build every method's engine or runner,
+    methods in the order of `order`. A method that cannot run here is dropped with a note."""
     gguf = cfg.llamacpp_gguf
     if target is None:
         target, src = load_target(cfg.target, cfg.dtype, compile=cfg.compile, weights=cfg.weights[0])
