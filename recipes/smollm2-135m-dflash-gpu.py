@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--heldout-prompts", default=None)
-    ap.add_argument("--existing", default="", help="glob of packed records trained on beside the new ones")
+    ap.add_argument("--existing", default="", help="globs (comma-separated) of packed records trained on beside the new ones")
     ap.add_argument("--existing-heldout", default="", help="packed held-out records (the engine check's prompts)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/blockdraft-round")
@@ -90,6 +90,15 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=640)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the draft proposes among this many tokens")
+    ap.add_argument("--init", default="target", help="'target' (a fresh draft from the target's last layers) or a "
+                    "draft directory to continue (its layers, taps and vocabulary are kept)")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--sizes", default="", help="a data-scaling curve instead of one run: comma-separated record "
+                    "counts, each a run of --epochs epochs on that many records (a seeded draw of all of them)")
+    ap.add_argument("--epochs", type=float, default=1.0, help="epochs of each --sizes run")
+    ap.add_argument("--check-prompts", type=int, default=4, help="held-out prompts the engine check decodes")
+    ap.add_argument("--heldout-answers", default="true", choices=["true", "false"],
+                    help="answer the held-out prompts too (false: they only serve the engine check)")
     ap.add_argument("--split-draft", action="store_true", help="weights in two files (a size cap on outputs)")
     ap.add_argument("--smoke", action="store_true", help="every stage on a tiny random model")
     args = ap.parse_args()
@@ -122,7 +131,7 @@ def main() -> int:
         from blockdraft.loading import default_mask_token_id, load_target
 
         target, _ = load_target(args.gguf, "bf16", device=str(dev), lean=False, weights="bf16")
-        train_ids, train_prompts = read_tokenized(args.prompts)
+        train_ids, train_prompts = read_tokenized(args.prompts) if args.prompts else ([], [])
         held_ids, held_prompts = read_tokenized(args.heldout_prompts) if args.heldout_prompts else ([], [])
         mask_id = default_mask_token_id(target.tokenizer, target.vocab_size)
     target.requires_grad_(False)
@@ -138,10 +147,11 @@ def main() -> int:
                 for i, a in sorted(got.items()) if a]
 
     new_records: list[dict] = []
+    gen_prompts = train_prompts if args.gen_seconds > 0 else []  # none: train on --existing alone
     try:
         gen_end = time.time() + args.gen_seconds
         held_got: dict[int, list[int]] = {}
-        if held_prompts:
+        if held_prompts and args.gen_seconds > 0 and args.heldout_answers == "true":
             st = generate_batched(target.hf, held_prompts, eos_ids=eos, pad_id=pad,
                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   on_batch=lambda idx, ans: held_got.update(zip(idx, ans)))
@@ -153,76 +163,108 @@ def main() -> int:
         def on_batch(idx, ans):
             got.update(zip(idx, ans))
             n_tok = sum(len(a) for a in got.values())
-            say(f"answers {len(got)}/{len(train_prompts)}, {n_tok} tokens, "
+            say(f"answers {len(got)}/{len(gen_prompts)}, {n_tok} tokens, "
                 f"{n_tok / max(1e-9, time.time() - gen_start):.0f} tok/s")
             if time.time() - last_save[0] > 100:
                 pack_split(records_of(train_ids, train_prompts, got), out / "regen-train", 3)
                 last_save[0] = time.time()
 
         gen_start = time.time()
-        st = generate_batched(target.hf, train_prompts, eos_ids=eos, pad_id=pad, max_new_tokens=args.max_new_tokens,
+        st = generate_batched(target.hf, gen_prompts, eos_ids=eos, pad_id=pad, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, deadline=gen_end, on_batch=on_batch)
         new_records = records_of(train_ids, train_prompts, got)
         summary["regen"] = {"answered": st.answered, "tokens": st.new_tokens, "finished": st.finished,
                             "seconds": round(st.seconds, 1), "tok_per_s": round(st.tokens_per_s)}
         say("regeneration:", summary["regen"], "files", pack_split(new_records, out / "regen-train", 3))
+        if new_records:  # kept on the machine too: a later call on it can train on them
+            pack_split(new_records, work / "regen-train", 3)
     except Exception:  # noqa: BLE001 - what was answered is kept; training still runs on what there is
         say("regeneration failed:\n" + traceback.format_exc())
 
     # ------------------------------------------------------------------------------------------- training
     try:
-        existing = [r for f in sorted(glob.glob(args.existing)) for r in load_packed(f)] if args.existing else []
+        existing = [r for pat in args.existing.split(",") if pat for f in sorted(glob.glob(pat)) for r in load_packed(f)]
         if args.smoke:
             existing = records_of(train_ids, train_prompts, {i: [7, 8, 9, 7, 8, 9] * 5 for i in range(40)})
         records = existing + new_records
         say("training on", len(records), "records (", len(existing), "packaged +", len(new_records), "new )")
         taps = default_target_layer_ids(target.num_layers, min(args.taps, target.num_layers))
-        run = work / "run"
-        shutil.rmtree(run, ignore_errors=True)
-        shutil.rmtree(work / "probe", ignore_errors=True)
-        base = dict(out_dir=str(run), device=str(dev), batched=True, attention="sdpa", num_layers=args.layers,
+        if args.init != "target":  # a continued draft keeps its own taps, layers and vocabulary
+            from blockdraft.models.draft import DFlashDraftModel
+
+            init_cfg = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32).config
+            taps, args.layers = list(init_cfg.target_layer_ids), max(args.layers, init_cfg.num_hidden_layers)
+            say("continuing", args.init, "taps", taps, "layers", args.layers, "block", init_cfg.block_size)
+        base = dict(device=str(dev), batched=True, attention="sdpa", num_layers=args.layers,
                     layer_ids=taps, block_size=args.block, mask_token_id=mask_id, anchors=args.anchors,
-                    seqs_per_step=args.seqs, max_len=args.max_len, lr=args.lr, warmup=100, min_lr_ratio=0.05,
-                    precision="bf16", init="target", eval_every=0, eval_prompts=0, log_every=25,
+                    seqs_per_step=args.seqs, max_len=args.max_len, lr=args.lr, warmup=args.warmup, min_lr_ratio=0.05,
+                    precision="bf16", init=args.init, eval_every=0, eval_prompts=0, log_every=25,
                     save_every=10**9, keep_last=1, seed=0, loss_chunk_rows=8192,
                     draft_vocab_size=min(args.draft_vocab, target.vocab_size // 2))
-        # the schedule needs a step count: time a few steps of the same shape first, then fit the budget
-        probe_dir = work / "probe"
-        train(TrainConfig(**{**base, "out_dir": str(probe_dir), "log_every": 1}, steps=8), target=target,
-              records=records, progress=False)
-        log_lines = [json.loads(x) for x in (probe_dir / "train_log.jsonl").read_text().splitlines()]
-        gaps = sorted(b["time"] - a["time"] for a, b in zip(log_lines[2:], log_lines[3:]))
-        sec_per_step = gaps[len(gaps) // 2]
-        steps = max(20, int(args.train_minutes * 60 / sec_per_step))
-        say(f"probe: ~{sec_per_step * 1000:.0f} ms/step -> {steps} steps "
-            f"({steps * args.seqs / max(1, len(records)):.2f} epochs)", log_lines[-1])
-        res = train(TrainConfig(**{**base, "log_every": max(1, min(25, steps // 40))}, steps=steps,
-                                minutes=args.train_minutes * 1.1), target=target, records=records, progress=False)
-        if (run / "train_log.jsonl").is_file():
-            for line in (run / "train_log.jsonl").read_text().splitlines():
-                say("train", line)
-        summary["train"] = {k: v for k, v in res.items() if k != "losses"}
-        summary["train"].update(records=len(records), new_records=len(new_records), steps_planned=steps)
-        draft_dir = out / "draft"
-        shutil.rmtree(draft_dir, ignore_errors=True)
-        shutil.copytree(run / "draft", draft_dir)
-        if args.split_draft:
-            from safetensors.torch import load_file, save_file
 
-            state = load_file(str(draft_dir / "model.safetensors"))
-            total = sum(v.numel() * v.element_size() for v in state.values())
-            first, size = {}, 0
-            for k in sorted(state):
-                if size < total / 2:
-                    first[k] = state[k]
-                    size += state[k].numel() * state[k].element_size()
-            save_file(first, str(draft_dir / "model-a.safetensors"))
-            save_file({k: v for k, v in state.items() if k not in first}, str(draft_dir / "model-b.safetensors"))
-            (draft_dir / "model.safetensors").unlink()
-        say("draft written:", sorted(p.name for p in draft_dir.iterdir()))
+        def run_training(name: str, recs: list[dict], steps: int | None) -> Path:
+            """One run on recs: `steps` steps, or (None) as many as --train-minutes allows, timed by a probe.
+            -> the run's draft directory."""
+            run = work / name
+            shutil.rmtree(run, ignore_errors=True)
+            if steps is None:
+                # the schedule needs a step count: time a few steps of the same shape first, then fit the budget
+                probe_dir = work / "probe"
+                shutil.rmtree(probe_dir, ignore_errors=True)
+                train(TrainConfig(**{**base, "out_dir": str(probe_dir), "log_every": 1}, steps=8), target=target,
+                      records=recs, progress=False)
+                log_lines = [json.loads(x) for x in (probe_dir / "train_log.jsonl").read_text().splitlines()]
+                gaps = sorted(b["time"] - a["time"] for a, b in zip(log_lines[2:], log_lines[3:]))
+                sec_per_step = gaps[len(gaps) // 2]
+                steps = max(20, int(args.train_minutes * 60 / sec_per_step))
+                say(f"probe: ~{sec_per_step * 1000:.0f} ms/step -> {steps} steps "
+                    f"({steps * args.seqs / max(1, len(recs)):.2f} epochs)", log_lines[-1])
+            cfg = {**base, "out_dir": str(run), "log_every": max(1, min(25, steps // 40)),
+                   "warmup": min(args.warmup, max(1, steps // 5))}
+            res = train(TrainConfig(**cfg, steps=steps, minutes=args.train_minutes * 1.1 if not args.sizes else 0),
+                        target=target, records=recs, progress=False)
+            if (run / "train_log.jsonl").is_file():
+                for line in (run / "train_log.jsonl").read_text().splitlines():
+                    say(f"train[{name}]", line)
+            summary.setdefault("train", {})[name] = {k: v for k, v in res.items() if k != "losses"}
+            summary["train"][name].update(records=len(recs), steps_planned=steps,
+                                          epochs=round(steps * args.seqs / max(1, len(recs)), 3))
+            return run / "draft"
+
+        def publish(src: Path, name: str) -> Path:
+            draft_dir = out / name
+            shutil.rmtree(draft_dir, ignore_errors=True)
+            shutil.copytree(src, draft_dir)
+            if args.split_draft:
+                from safetensors.torch import load_file, save_file
+
+                state = load_file(str(draft_dir / "model.safetensors"))
+                total = sum(v.numel() * v.element_size() for v in state.values())
+                first, size = {}, 0
+                for k in sorted(state):
+                    if size < total / 2:
+                        first[k] = state[k]
+                        size += state[k].numel() * state[k].element_size()
+                save_file(first, str(draft_dir / "model-a.safetensors"))
+                save_file({k: v for k, v in state.items() if k not in first},
+                          str(draft_dir / "model-b.safetensors"))
+                (draft_dir / "model.safetensors").unlink()
+            say("draft written:", name, sorted(p.name for p in draft_dir.iterdir()))
+            return draft_dir
+
+        if args.sizes:
+            order = torch.randperm(len(records), generator=torch.Generator().manual_seed(7)).tolist()
+            for n in [int(x) for x in args.sizes.split(",") if x.strip()]:
+                recs = [records[i] for i in order[:n]]
+                steps = max(1, round(args.epochs * len(recs) / args.seqs))
+                checked = run_training(f"run-{len(recs)}", recs, steps)
+                publish(checked, f"draft-{len(recs)}")
+        else:
+            checked = run_training("run", records, None)
+            publish(checked, "draft")
     except Exception:  # noqa: BLE001
         say("training failed:\n" + traceback.format_exc())
-        draft_dir = None
+        checked = None
 
     # ------------------------------------------------------------------------------------------- engine check
     try:
@@ -231,11 +273,11 @@ def main() -> int:
         from blockdraft.decode.proposers.dflash import DFlashProposer
         from blockdraft.models.draft import DFlashDraftModel
 
-        if draft_dir is not None and (run / "draft" / "model.safetensors").is_file():
-            draft = DFlashDraftModel.from_pretrained(run / "draft", dtype=target.dtype).to(dev).eval()
+        if checked is not None and (checked / "model.safetensors").is_file():
+            draft = DFlashDraftModel.from_pretrained(checked, dtype=target.dtype).to(dev).eval()
             plain, drafted = Engine(target, None), Engine(target, DFlashProposer(draft, target))
             checks = []
-            for p in held_prompts[:4]:
+            for p in held_prompts[: args.check_prompts]:
                 a = plain.generate(p, GenerationConfig(max_new_tokens=64))
                 b = drafted.generate(p, GenerationConfig(max_new_tokens=64))
                 acc = b.stats.accept_lengths

@@ -251,6 +251,51 @@ def test_hf_regeneration_answers_equal_unpadded_greedy_generation(tiny):
                             deadline=0.0).answered == 0
 
 
+def test_hf_regeneration_answers_a_batch_too_large_for_memory_in_halves(tiny, monkeypatch):
+    """A batch that raises the device's out-of-memory error is split until it fits; every prompt still gets the
+    answer the whole batch would have given it (each row is its own greedy decode)."""
+    from blockdraft.train import regen_hf
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 9, 7, 12, 6)]
+    eos = [int(tiny.hf.config.eos_token_id)]
+    want: dict[int, list[int]] = {}
+    regen_hf.generate_batched(tiny.hf, prompts, eos_ids=eos, pad_id=0, max_new_tokens=8, batch_size=5,
+                              on_batch=lambda idx, ans: want.update(zip(idx, ans)))
+    real = regen_hf._generate_rows
+
+    def small_memory(model, batch, *args):
+        if len(batch) > 2:
+            raise torch.OutOfMemoryError("a batch of more than 2 rows does not fit")
+        return real(model, batch, *args)
+
+    monkeypatch.setattr(regen_hf, "_generate_rows", small_memory)
+    got: dict[int, list[int]] = {}
+    stats = regen_hf.generate_batched(tiny.hf, prompts, eos_ids=eos, pad_id=0, max_new_tokens=8, batch_size=5,
+                                      on_batch=lambda idx, ans: got.update(zip(idx, ans)))
+    assert got == want and stats.answered == 5 and stats.splits == 2 and stats.batches == 3
+
+
+def test_live_training_continues_a_draft_with_its_copy_gate_frozen(tiny, tmp_path):
+    """The live source has no lookup candidates to train a copy gate on: a continued draft keeps its gate bit for
+    bit while its layers train, and the saved draft still has it."""
+    from blockdraft.models.draft import DFlashDraftModel
+
+    recs = regenerated(tiny, 4, seed=3, new_tokens=20)
+    base = make_draft(_cfg(tmp_path / "base"), tiny).with_copy_gate()
+    with torch.no_grad():
+        base.copy_gate.table.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
+    base.save_pretrained(tmp_path / "gated")
+    train(_cfg(tmp_path, init=str(tmp_path / "gated"), steps=3, batched=True), target=tiny, records=recs,
+          progress=False)
+    after = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft", dtype=torch.float32)
+    assert after.config.copy_gate
+    torch.testing.assert_close(after.copy_gate.table, base.copy_gate.table.float(), rtol=0, atol=0)
+    assert not torch.equal(after.layers[0].mlp.up_proj.weight, base.layers[0].mlp.up_proj.weight.float())
+    with pytest.raises(ValueError, match="copy gate"):  # the cache source trains the gate: it must be asked for
+        make_draft(_cfg(tmp_path / "c", init=str(tmp_path / "gated"), cache="some/cache"), tiny)
+
+
 def test_batched_is_refused_where_it_does_not_apply(tmp_path):
     for kw in (dict(cache="some/cache"), dict(method="eagle"), dict(target_labels=True)):
         with pytest.raises(ValueError, match="batched trains a DFlash draft from records"):

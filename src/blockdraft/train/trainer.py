@@ -92,7 +92,12 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
             log.info("adding the next-token input to the fusion of %s (its columns start at zero)", cfg.init)
             draft = draft.with_next_token_feature(cfg.next_token_scale)
         if draft.config.copy_gate and not cfg.copy_gate:
-            raise ValueError(f"{cfg.init} has a copy gate; continue it with --copy-gate true")
+            if cfg.source == "cache":
+                raise ValueError(f"{cfg.init} has a copy gate; continue it with --copy-gate true")
+            # the live source has no lookup candidates to train the gate on: it is kept as it is, frozen, so that
+            # the continued draft still scores prompt lookup's candidate the way it learned to
+            log.info("%s's copy gate is kept frozen (the live source does not train it)", cfg.init)
+            draft.copy_gate.requires_grad_(False)
         if cfg.copy_gate and not draft.config.copy_gate:
             log.info("adding a copy gate to %s (its bonus starts at zero)", cfg.init)
             draft = draft.with_copy_gate()
