@@ -128,7 +128,7 @@ def main() -> int:
         held_ids, held_prompts = train_ids[:4], train_prompts[:4]
         mask_id = 300
     else:
-        from blockdraft.loading import default_mask_token_id, load_target
+        from blockdraft.models.loading import default_mask_token_id, load_target
 
         target, _ = load_target(args.gguf, "bf16", device=str(dev), lean=False, weights="bf16")
         train_ids, train_prompts = read_tokenized(args.prompts) if args.prompts else ([], [])
@@ -269,13 +269,13 @@ def main() -> int:
     # ------------------------------------------------------------------------------------------- engine check
     try:
         from blockdraft.config import GenerationConfig
-        from blockdraft.decode.engine import Engine
-        from blockdraft.decode.proposers.dflash import DFlashProposer
+        from blockdraft.decode.spec import DecodeSpec, build_engine
         from blockdraft.models.draft import DFlashDraftModel
 
         if checked is not None and (checked / "model.safetensors").is_file():
             draft = DFlashDraftModel.from_pretrained(checked, dtype=target.dtype).to(dev).eval()
-            plain, drafted = Engine(target, None), Engine(target, DFlashProposer(draft, target))
+            plain = build_engine(target, None, DecodeSpec("ar"))
+            drafted = build_engine(target, draft, DecodeSpec("dflash", draft_weights="bf16"))
             checks = []
             for p in held_prompts[: args.check_prompts]:
                 a = plain.generate(p, GenerationConfig(max_new_tokens=64))
