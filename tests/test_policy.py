@@ -137,3 +137,67 @@ def test_batch_policy_drafts_where_it_pays():
     assert steep.drafts([(None, 7)])
     assert not BatchPolicy(None, draft_max_batch=2).drafts(rows)
     assert BatchPolicy(None).drafts(rows)
+
+
+def test_a_row_starts_from_the_pooled_acceptance_and_adds_to_it():
+    """Without a pool a position's rate is (accepted + 1) / (trials + 2); with one, a new row's rates are the pool's
+    until its own verifies outweigh the POOL_TRIALS pseudo-trials, and each verify counts in both."""
+    from blockdraft.decode.policy import POOL_TRIALS, Acceptance
+
+    alone = Acceptance(3)
+    alone.observe(3, 1)  # position 0 accepted, position 1 rejected, position 2 never reached
+    assert alone.rates() == [2 / 3, 1 / 3, 1 / 2]
+    pool = Acceptance(3)
+    for _ in range(20):
+        pool.observe(3, 3)
+    row = Acceptance(3, pool)
+    assert row.rates() == pytest.approx(pool.rates())
+    row.observe(3, 0)
+    assert pool.trials[0] == 21 and pool.accepted[0] == 20  # the row's verify counted in the pool too
+    p0 = (20 + 1) / (21 + 2)  # the pool's own rate, with its one-in-two prior
+    assert row.rates()[0] == pytest.approx((0 + POOL_TRIALS * p0) / (1 + POOL_TRIALS))
+
+
+def test_upper_rates_are_optimistic_by_one_standard_error():
+    from blockdraft.decode.policy import Acceptance
+
+    acc = Acceptance(1)
+    bonuses = []
+    for n in range(1, 60):
+        acc.observe(1, n % 2)  # half accepted
+        r, u = acc.rates()[0], acc.upper()[0]
+        n_eff = acc.trials[0] + 2
+        assert u == pytest.approx(min(1.0, r + (r * (1 - r) / n_eff) ** 0.5))
+        bonuses.append(u - r)
+    assert bonuses[-1] < bonuses[0] / 4  # the bonus shrinks as trials accumulate
+
+
+def test_a_provisional_first_sample_is_replaced_by_the_second():
+    """The engine's first draft call pays one-time costs: the shared draft time forgets it at the next call."""
+    m = RunningMean(provisional=True)
+    assert [m.update(x) for x in (10.0, 2.0, 2.0, 4.0)] == pytest.approx([10.0, 2.0, 2.0, 2.4])
+    plain = RunningMean()
+    assert [plain.update(x) for x in (10.0, 2.0)] == pytest.approx([10.0, 8.4])
+
+
+def test_the_context_catch_up_is_done_before_the_timed_draft_call_and_changes_no_proposal(llama_target):
+    """`prepare_rows` projects the waiting context positions (the prompt's, on a row's first draft): the proposal
+    after it is the one `propose_rows` makes alone, bit for bit, and nothing is left waiting for the timed call."""
+    import torch
+
+    from blockdraft.config import SamplingParams
+    from blockdraft.decode.proposers.dflash import DFlashProposer
+    from conftest import tiny_draft
+
+    draft = tiny_draft(llama_target, block_size=5)
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2])
+    feats = llama_target.hidden(prompt[None], None, tap=draft.context_layer_ids)[1]
+    props = []
+    for prepare in (False, True):
+        p = DFlashProposer(draft, llama_target)
+        p.start(prompt, feats[:, :-1])
+        if prepare:
+            DFlashProposer.prepare_rows([p], [prompt], [4])
+            assert not p._pending
+        props.append(DFlashProposer.propose_rows([p], [prompt], [4], [SamplingParams()], [None])[0].tokens)
+    assert torch.equal(props[0], props[1])

@@ -44,7 +44,7 @@ import torch
 
 from ..config import GenerationConfig, SamplingParams
 from ..models.target import TargetModel
-from .policy import BatchPolicy
+from .policy import BatchPolicy, SharedMeasures
 from .proposers import NoDraft, Proposer
 from .row import Sequence, check_prompt, pick_token
 from .stats import DecodeStats, GenerationResult, StepError, StepEvent
@@ -89,6 +89,7 @@ class Engine:
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.batch_policy = BatchPolicy(batch_cost, draft_max_batch)
         self.width_cost = width_cost
+        self.shared = SharedMeasures()  # what the rows' width policies measure together
         self.prefill_chunk = prefill_chunk
         self.spec = None  # the `spec.DecodeSpec` it was built from, when `spec.build_engine` built it
         # the target layers this engine's proposer reads, passed with every forward (engines may share a target)
@@ -159,7 +160,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         stops = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
         row = Sequence(rid, prompt, config, sampling, text, self._row_proposer(), stops, self._decode,
-                       self.width_cost)
+                       self.width_cost, self.shared)
         self._pending.append(row)
         self._by_id[rid] = row
         return rid

@@ -22,6 +22,7 @@ Policies:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 EXPLORE_ROW = 8  # per row: after this many steps without drafting, one step drafts to measure again
@@ -29,18 +30,25 @@ EXPLORE_BATCH = 16  # per engine: after this many plain steps of several rows, o
 EXPLORE_BACKOFF = 16  # explorations the policy does not follow stretch its interval, up to this many times
 SMOOTHING = 0.2  # weight of the newest sample in every running mean
 GAIN_PRIOR = 1.0  # tokens a drafted step commits beyond the verified one, before a row has measured its own
+POOL_TRIALS = 8.0  # a new row's acceptance starts from the engine's pooled one, weighted as this many trials
 
 
 class RunningMean:
-    """An exponential running mean: None until the first sample, then mean <- (1 - a) mean + a x."""
+    """An exponential running mean: None until the first sample, then mean <- (1 - a) mean + a x. With
+    `provisional`, the first sample stands only until the second replaces it (a first call that pays one-time
+    costs, allocations and the first touch of the weights, would otherwise weigh on the mean for dozens of steps)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "provisional")
 
-    def __init__(self, value: float | None = None) -> None:
-        self.value = value
+    def __init__(self, value: float | None = None, provisional: bool = False) -> None:
+        self.value, self.provisional = value, provisional
 
     def update(self, x: float) -> float:
-        self.value = x if self.value is None else (1.0 - SMOOTHING) * self.value + SMOOTHING * x
+        if self.value is None or self.provisional:
+            self.provisional = self.provisional and self.value is None
+            self.value = x
+        else:
+            self.value = (1.0 - SMOOTHING) * self.value + SMOOTHING * x
         return self.value
 
 
@@ -78,10 +86,14 @@ class Explorer:
 
 class Acceptance:
     """Running conditional acceptance per draft position: P(position i accepted | positions < i accepted), from the
-    verifies that reached it, with a prior of one accept in two trials."""
+    verifies that reached it. Before its own measurements a row leans on a prior: the pooled acceptance of the
+    engine's rows (`pool`, weighted as POOL_TRIALS trials), else one accept in two trials. Without the pool a row's
+    first few unlucky verifies could make drafting look unprofitable, and a row that stops drafting measures only
+    what its rare explorations show."""
 
-    def __init__(self, positions: int) -> None:
-        self.accepted, self.trials = [1.0] * positions, [2.0] * positions
+    def __init__(self, positions: int, pool: "Acceptance | None" = None) -> None:
+        self.accepted, self.trials = [0.0] * positions, [0.0] * positions
+        self.pool = pool  # every observation is also added here (the engine's rows together)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens accepted the first `accepted`: positions 0..accepted-1 were accepted,
@@ -89,20 +101,52 @@ class Acceptance:
         for i in range(min(accepted + 1, drafted)):
             self.trials[i] += 1
             self.accepted[i] += i < accepted
+        if self.pool is not None:
+            self.pool.observe(drafted, accepted)
 
     def rates(self) -> list[float]:
-        return [a / t for a, t in zip(self.accepted, self.trials)]
+        return [a / n for a, n in self._counts()]
+
+    def upper(self) -> list[float]:
+        """The rates plus one standard error: optimistic where little is measured, so that a few unlucky early
+        verifies do not stop a row from drafting; the bonus shrinks as trials accumulate."""
+        return [min(1.0, a / n + math.sqrt((a / n) * (1.0 - a / n) / n)) for a, n in self._counts()]
+
+    def _counts(self) -> list[tuple[float, float]]:
+        """(accepted, trials) per position, the prior's pseudo-counts included."""
+        if self.pool is None:
+            prior, weight = [0.5] * len(self.trials), 2.0
+        else:
+            prior, weight = self.pool.rates(), POOL_TRIALS
+        return [(a + weight * q, t + weight) for a, t, q in zip(self.accepted, self.trials, prior)]
+
+
+class SharedMeasures:
+    """What the width policies of one engine's rows share: acceptance pooled per (positions, greedy or sampled), so
+    that one row's early luck does not decide its width, and the draft call's running time (its first, cold call
+    replaced by the second: allocations and the first touch of the weights are paid once per engine)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[int, bool], Acceptance] = {}
+        self.draft_seconds = RunningMean(provisional=True)
+
+    def pool(self, positions: int, greedy: bool) -> Acceptance:
+        return self.pools.setdefault((positions, greedy), Acceptance(positions))
 
 
 class WidthPolicy:
     """Per row: the width of this step's chain. Fixed (`verify_cost` None): always the limit. Adaptive: the g in
     0..limit maximising (1 + sum_i P(first i drafts accepted)) / (verify(g + 1) + draft time if g > 0), from the
-    calibration, the row's measured draft time and its running per-position acceptance."""
+    calibration, the row's measured draft time and its per-position acceptance (optimistic by one standard error,
+    `Acceptance.upper`)."""
 
-    def __init__(self, block_size: int, verify_cost=None) -> None:
+    def __init__(self, block_size: int, verify_cost=None, pool: Acceptance | None = None,
+                 draft_seconds: RunningMean | None = None) -> None:
+        """pool: the engine's pooled acceptance for chains of this block size (`Acceptance`), None: this row's own;
+        draft_seconds: the engine's running draft-call time, shared by its rows (None: this row's own)."""
         self.verify_cost = verify_cost
-        self.acceptance = Acceptance(max(0, block_size - 1))
-        self.draft_seconds = RunningMean()  # one draft call for this row
+        self.acceptance = Acceptance(max(0, block_size - 1), pool)
+        self.draft_seconds = draft_seconds if draft_seconds is not None else RunningMean()  # one draft call
         self.explorer = Explorer(EXPLORE_ROW)
         self.widths: list[int] = []  # tokens drafted per step
         self._exploring = False  # the last `choose` explored
@@ -128,7 +172,7 @@ class WidthPolicy:
 
     def _best(self, limit: int, draft_s: float) -> int:
         cost = self.verify_cost.chain
-        rates = self.acceptance.rates()
+        rates = self.acceptance.upper()
         best, best_rate, reach, expected = 0, 1.0 / cost(1), 1.0, 1.0
         for g in range(1, limit + 1):
             reach *= rates[g - 1]

@@ -9,7 +9,7 @@ import torch
 
 from ..config import GenerationConfig, SamplingParams
 from ..models.target import TargetModel
-from .policy import RunningMean, WidthPolicy
+from .policy import RunningMean, SharedMeasures, WidthPolicy
 from .proposers import Proposer
 from .sampling import argmax, logits_to_probs, make_generator, sample
 from .stats import DecodeStats, GenerationResult
@@ -42,8 +42,10 @@ class Sequence:
     """One row: its committed tokens, cache, proposer, generator, stop and streaming bookkeeping, statistics."""
 
     def __init__(self, rid: Hashable, prompt: torch.Tensor, config: GenerationConfig, sampling: SamplingParams,
-                 text: bool, proposer: Proposer, stops: set[int], decode, width_cost=None) -> None:
-        """width_cost: a `calibrate.VerifyCost` for an adaptive chain width (`policy.WidthPolicy`), None: fixed."""
+                 text: bool, proposer: Proposer, stops: set[int], decode, width_cost=None,
+                 shared: SharedMeasures | None = None) -> None:
+        """width_cost: a `calibrate.VerifyCost` for an adaptive chain width (`policy.WidthPolicy`), None: fixed;
+        shared: what the engine's rows measure together (`policy.SharedMeasures`)."""
         self.rid, self.prompt, self.config, self.sampling, self.text = rid, prompt, config, sampling, text
         self.proposer = proposer
         self.block = config.block_size or proposer.block_size
@@ -65,7 +67,9 @@ class Sequence:
         self.prompt_features: list[torch.Tensor] = []  # tapped features of the prefilled chunks
         self.last_logits: torch.Tensor | None = None  # the last prefilled position's logits
         self.gain = RunningMean()  # tokens a drafted step committed beyond one (the batch policy reads it)
-        self.width = WidthPolicy(proposer.block_size, None if proposer.proposes_trees else width_cost)
+        cost = None if proposer.proposes_trees else width_cost
+        pool = shared.pool(max(0, proposer.block_size - 1), sampling.greedy) if shared and cost else None
+        self.width = WidthPolicy(proposer.block_size, cost, pool, shared.draft_seconds if shared else None)
         self.stats.widths = self.width.widths
 
     def admit(self, target: TargetModel) -> None:

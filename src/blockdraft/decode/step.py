@@ -67,14 +67,17 @@ def propose_tree(row: Sequence, g: int, vocab_size: int) -> Plan:
 
 def propose_chains(cls: type, rows: list[Sequence], widths: list[int]) -> tuple[list[Plan], float]:
     """Chains for rows whose proposers are all of class cls, in one batched call (`Proposer.propose_rows`),
-    row i drafting at most widths[i] tokens -> (their plans, the call's seconds)."""
+    row i drafting at most widths[i] tokens -> (their plans, the draft call's seconds: what the policies price a
+    drafted step by, without the catch-up of `Proposer.prepare_rows`)."""
+    t0 = time.perf_counter()
+    cls.prepare_rows([r.proposer for r in rows], [r.tokens for r in rows], widths)
     t1 = time.perf_counter()
     props = cls.propose_rows([r.proposer for r in rows], [r.tokens for r in rows], widths,
                              [r.sampling for r in rows], [r.generator for r in rows])
     dt = time.perf_counter() - t1
     plans = []
     for row, prop in zip(rows, props):
-        row.stats.draft_seconds += dt
+        row.stats.draft_seconds += dt + (t1 - t0)  # the stats count all of the draft's time
         if prop.tokens.numel():
             row.width.drafted(dt)
         plans.append(Plan(row, torch.cat([row.tokens[-1:], prop.tokens]), None, None, proposal=prop))

@@ -64,6 +64,13 @@ class Proposer:
         return None
 
     @classmethod
+    def prepare_rows(cls, proposers: list["Proposer"], tokens: list[torch.Tensor], num_drafts: list[int]) -> None:
+        """Bring the state of the rows about to draft (num_drafts[i] > 0) up to the committed tokens before the
+        draft call is timed (nothing by default). What is done here is bookkeeping that accumulates while a row
+        does not draft (e.g. the DFlash draft's context), so it is no part of what one drafted step costs: the width
+        policy prices a step by the draft call alone (policy.py)."""
+
+    @classmethod
     def propose_rows(cls, proposers: list["Proposer"], tokens: list[torch.Tensor], num_drafts: list[int],
                      samplings: list[SamplingParams], generators: list) -> list[Proposal]:
         """Proposals for several sequences, row i by proposers[i] (all of this class): one by one by default."""

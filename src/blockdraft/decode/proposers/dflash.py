@@ -253,6 +253,17 @@ class DFlashProposer(Proposer):
 
     @classmethod
     @torch.no_grad()
+    def prepare_rows(cls, proposers: list["DFlashProposer"], tokens: list[torch.Tensor],
+                     num_drafts: list[int]) -> None:
+        """Project the context positions verified since each drafting row last drafted (its prompt's, on its first
+        step) into its draft context: work proportional to the positions waiting, which a row that skips drafting
+        defers rather than saves."""
+        for p, t, g in zip(proposers, tokens, num_drafts):
+            if g > 0 and p.block_size > 1:
+                p._flush(t)
+
+    @classmethod
+    @torch.no_grad()
     def propose_rows(cls, proposers: list["DFlashProposer"], tokens: list[torch.Tensor], num_drafts: list[int],
                      samplings: list[SamplingParams], generators: list) -> list[Proposal]:
         """One draft forward for every row whose proposer shares a `LeanDraft` and drafts in one pass (the
