@@ -63,8 +63,8 @@ class DFlashProposer(Proposer):
     def fork(self) -> "DFlashProposer":
         """Another sequence's proposer around the same draft: the fused weights (and the reduced head) are shared,
         the context cache and acceptance rates are its own."""
-        other = DFlashProposer(self.draft, self.target, self.block_size, self.denoise_steps,
-                               lean=self.lean if self.lean is not None else False)
+        other = type(self)(self.draft, self.target, self.block_size, self.denoise_steps,
+                           lean=self.lean if self.lean is not None else False)
         other._head = self._head
         return other
 
