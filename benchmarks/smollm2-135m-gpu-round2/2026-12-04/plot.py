@@ -1,5 +1,5 @@
 """The data-scaling curve of this round as a figure: held-out tau (user-* prompts) against the answers trained on,
-at decode blocks 4 and 16, the shipped draft as the level to beat. Reads heldout-tau.jsonl beside this file."""
+at decode blocks 4, 8 and 16, the shipped draft as the level to beat. Reads heldout-tau.jsonl beside this file."""
 
 import json
 from collections import defaultdict
@@ -16,8 +16,8 @@ tau: dict = defaultdict(dict)
 for line in (here / "heldout-tau.jsonl").read_text().splitlines():
     d = json.loads(line)
     tau[(d["set"], d["block_size"])][d["draft"]] = d["tau"]
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-for ax, block in zip(axes, (4, 16)):
+fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
+for ax, block in zip(axes, (4, 8, 16)):
     for k, s in enumerate(("user-math", "user-code", "user-chat")):
         row = tau.get((s, block), {})
         xs = [n for d, n in sizes.items() if d in row]
