@@ -13,7 +13,7 @@ from blockdraft.train.conversations import conversation_records
 from blockdraft.train.data import select_regeneration_prompts, sharegpt_conversations
 from blockdraft.train.records import load_packed, read_shards, validate_record
 
-REGEN = Path("data/work/regen-smollm2")  # scripts/regen_default.py's output (not in git)
+REGEN = Path("data/work/regen-smollm2")  # recipes/smollm2-135m-regen.py's output (not in git)
 PACKED = Path("data/smollm2-regen")  # the regenerated records committed, packed (uint16)
 
 
