@@ -237,11 +237,13 @@ def test_choose_width_maximises_expected_tokens_per_second():
     cost = VerifyCost([1.0, 1.2, 1.5, 2.5, 3.0])
     prop = WidthPolicy(5, cost)
     prop.draft_seconds.value = 0.3
-    prop.acceptance.accepted = [9.0, 6.0, 1.0, 5.0]  # conditional rates .9 .6 .1 .5
-    prop.acceptance.trials = [10.0, 10.0, 10.0, 10.0]
+    prop.acceptance.accepted = [8.0, 5.0, 0.0, 4.0]  # with the one-in-two prior: rates .9 .6 .1 .5 over 10 trials
+    prop.acceptance.trials = [8.0, 8.0, 8.0, 8.0]
 
     def naive(limit):
-        rates, best, best_rate = [0.9, 0.6, 0.1, 0.5], 0, 1 / cost.chain(1)
+        # the policy reads each rate optimistically, by one standard error over its 10 (pseudo-)trials
+        rates = [r + math.sqrt(r * (1 - r) / 10) for r in (0.9, 0.6, 0.1, 0.5)]
+        best, best_rate = 0, 1 / cost.chain(1)
         for g in range(1, limit + 1):
             expected = 1 + sum(math.prod(rates[:i]) for i in range(1, g + 1))
             if expected / (cost.chain(g + 1) + 0.3) > best_rate:

@@ -75,12 +75,14 @@ def propose_chains(cls: type, rows: list[Sequence], widths: list[int]) -> tuple[
     props = cls.propose_rows([r.proposer for r in rows], [r.tokens for r in rows], widths,
                              [r.sampling for r in rows], [r.generator for r in rows])
     dt = time.perf_counter() - t1
-    plans = []
+    plans, timed = [], {}
     for row, prop in zip(rows, props):
         row.stats.draft_seconds += dt + (t1 - t0)  # the stats count all of the draft's time
-        if prop.tokens.numel():
-            row.width.drafted(dt)
+        if prop.tokens.numel():  # one sample per running mean: the rows of an engine share theirs
+            timed[id(row.width.draft_seconds)] = row.width
         plans.append(Plan(row, torch.cat([row.tokens[-1:], prop.tokens]), None, None, proposal=prop))
+    for width in timed.values():
+        width.drafted(dt)
     return plans, dt
 
 

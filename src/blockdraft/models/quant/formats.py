@@ -22,11 +22,7 @@ class Q4Weight:
     offset: torch.Tensor
 
     def __post_init__(self) -> None:
-        n, half = self.codes.shape
-        g = 2 * half // BLOCK
-        assert self.codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
-        assert self.scale.shape == self.offset.shape == (n, g), (
-            f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(self.scale.shape)} / {tuple(self.offset.shape)}")
+        _check_nibble_blocks(self.codes, self.scale, self.offset)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,6 +39,16 @@ class Q4Weight:
 
     def select(self, rows: torch.Tensor) -> "Q4Weight":
         return Q4Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(), self.offset[rows].contiguous())
+
+
+def _check_nibble_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]:
+    """Q4Weight's and Q5Weight's shared layout: codes uint8 [N, K/2], scale and offset [N, K/32] -> (N, K/32)."""
+    n, half = codes.shape
+    g = 2 * half // BLOCK
+    assert codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
+    assert scale.shape == offset.shape == (n, g), (
+        f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(scale.shape)} / {tuple(offset.shape)}")
+    return n, g
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -71,13 +77,9 @@ class Q5Weight:
     offset: torch.Tensor
 
     def __post_init__(self) -> None:
-        n, half = self.codes.shape
-        g = 2 * half // BLOCK
-        assert self.codes.dtype == torch.uint8 and 2 * half % BLOCK == 0, "codes must be uint8 [N, K/2], K % 32 == 0"
+        n, g = _check_nibble_blocks(self.codes, self.scale, self.offset)
         assert self.high.dtype == torch.uint8 and tuple(self.high.shape) == (n, 4 * g), (
             f"high must be uint8 [N, K/8] = [{n}, {4 * g}], got {tuple(self.high.shape)}")
-        assert self.scale.shape == self.offset.shape == (n, g), (
-            f"scale/offset must be [N, K/32] = [{n}, {g}], got {tuple(self.scale.shape)} / {tuple(self.offset.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
