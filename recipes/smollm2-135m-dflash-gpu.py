@@ -194,6 +194,9 @@ def main() -> int:
 
             init_cfg = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32).config
             taps, args.layers = list(init_cfg.target_layer_ids), max(args.layers, init_cfg.num_hidden_layers)
+            if args.block != init_cfg.block_size:  # the live source trains whole blocks of the draft's own size
+                raise SystemExit(f"--block {args.block}: {args.init} has block size {init_cfg.block_size}; a "
+                                 "continued draft trains at its own block size (shorter blocks need a teacher cache)")
             say("continuing", args.init, "taps", taps, "layers", args.layers, "block", init_cfg.block_size)
         base = dict(device=str(dev), batched=True, attention="sdpa", num_layers=args.layers,
                     layer_ids=taps, block_size=args.block, mask_token_id=mask_id, anchors=args.anchors,

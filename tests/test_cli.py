@@ -129,3 +129,20 @@ def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
     assert [r["draft"] for r in rows] == ["new", "untrained"] and all(r["tau"] >= 1.0 for r in rows)
     assert all(r["prompts"] >= 1 for r in rows)
     assert len((tmp_path / "tau.jsonl").read_text().splitlines()) == 2
+
+
+def test_step_profile_times_steps_linears_and_a_draft_step(tiny_dir, tmp_path):
+    """`blockdraft step-profile` end to end: every part it reports is written (figures, not timing assertions)."""
+    run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "d")
+    out = tmp_path / "profile.json"
+    run("step-profile", "--target", tiny_dir, "--dtype", "fp32", "--widths", "1,2", "--rounds", "1", "--reps", "2",
+        "--layers", "1,2", "--paths", "auto-native", "--parts", "ceiling,linears,draft", "--draft", tmp_path / "d",
+        "--threads", "1", "--out", out)
+    r = json.loads(out.read_text())
+    assert set(r["ms"]["auto-native"]) == {"1", "2"} and r["ratio_to_one_token"]["1"] == 1.0
+    assert r["draft"]["block"] == 4 and r["draft"]["ms"] > 0 and r["draft"]["share_of_one_token"] > 0
+    assert set(r["linears"]["rows"]) == {"1", "2"} and r["linears"]["count"] == 16
+    assert all(v > 0 for v in r.get("ceiling_gmacs", {}).values())
+    nodraft = run("step-profile", "--target", tiny_dir, "--dtype", "fp32", "--widths", "1", "--layers", "1,2",
+                  "--paths", "auto-native", "--parts", "draft", check=False)
+    assert nodraft.returncode != 0 and "--draft DIR" in nodraft.stderr

@@ -6,6 +6,8 @@ widths stay odd (37, 99) so that a row/column mix-up fails loudly."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -492,6 +494,40 @@ def test_native_draft_matches_the_python_layers(layers, one_thread):
     torch.testing.assert_close(ctx.v[:, :, :, :9], ref_ctx.v[:, :, :, :9], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_stack_bits_do_not_depend_on_threads_or_batch(dtype, threads):
+    """The attention splits each row's queries into runs by the thread count, and a batch changes every split: a
+    row's numbers must not move. One-token steps on one thread are the reference."""
+    target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), layer_ids=(1,), weights=WeightPlan("int4"))
+    assert target.lean.native is not None
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 99, (n,), generator=gen) for n in (9, 5, 12)]
+    news = [torch.randint(0, 99, (n,), generator=gen) for n in (7, 1, 4)]
+    saved = torch.get_num_threads()
+    with torch.no_grad():
+        torch.set_num_threads(1)
+        ref = []
+        for p, x in zip(prompts, news):
+            c = target.new_decode_cache(32)
+            target.forward(p[None], c)
+            ref.append(torch.cat([target.forward(x[None, j:j + 1], c).logits[0] for j in range(len(x))]))
+        torch.set_num_threads(threads)
+        try:
+            caches = [target.new_decode_cache(32) for _ in prompts]
+            for p, c in zip(prompts, caches):
+                target.forward(p[None], c)
+            rows = target.forward_rows(news, caches)
+            solo_cache = target.new_decode_cache(32)
+            target.forward(prompts[0][None], solo_cache)
+            solo = target.forward(news[0][None], solo_cache).logits[0]
+        finally:
+            torch.set_num_threads(saved)
+    for r, out in zip(ref, rows):
+        assert torch.equal(out.logits[0], r)
+    assert torch.equal(solo, ref[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_verify_on_the_native_stack_is_token_exact(dtype, one_thread):
     """A draft + lookup tree verified through the native stack (tree mask) commits plain greedy decoding's tokens.
@@ -570,6 +606,22 @@ def test_a_dead_builds_lock_is_removed_while_a_live_build_keeps_others_waiting(t
         held = subprocess.run([sys.executable, "-c", probe, str(build_lock) + ".lock"], capture_output=True, text=True)
     free = subprocess.run([sys.executable, "-c", probe, str(build_lock) + ".lock"], capture_output=True, text=True)
     assert (held.stdout.strip(), free.stdout.strip()) == ("held", "free")
+
+
+def test_int8_ceiling_counts_multiply_adds_and_refuses_bad_arguments():
+    """The ceiling the linears are read against: multiply-adds per second over torch's threads (a figure, not a
+    timing assertion: any positive rate passes), and a clear error for an unknown ISA or no rounds."""
+    kernels = quant.quant_kernels()
+    if kernels is None:
+        pytest.skip("kernels not built")
+    isas = ["avx2"] + (["avx512-vnni"] if kernels.cpu_has_vnni() else [])
+    for isa in isas:
+        rate = kernels.int8_peak(isa, 20_000)
+        assert math.isfinite(rate) and rate > 0
+    with pytest.raises(RuntimeError, match="isa must be"):
+        kernels.int8_peak("sse2", 10)
+    with pytest.raises(RuntimeError, match="iters must be"):
+        kernels.int8_peak("avx2", 0)
 
 
 def test_native_argmax_returns_torch_argmax_indices():

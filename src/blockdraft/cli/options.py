@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..decode.spec import ALIASES, METHODS, DecodeSpec
+from ..decode.spec import ALIASES, DRAFT_WEIGHTS, METHODS, DecodeSpec
 
 WEIGHT_CHOICES = ("auto", "bf16", "int8", "int4")
 METHOD_NAMES = tuple(METHODS) + tuple(sorted(ALIASES))
@@ -55,8 +55,9 @@ def add_decode(p: argparse.ArgumentParser, default_method: str) -> None:
                    help="tree methods: candidate nodes per tree (default: chosen per step from a measured verify-cost "
                         "curve, cached in ~/.cache/blockdraft/calibration; fix it for exactly repeatable seeded "
                         "sampling)")
-    p.add_argument("--draft-weights", default="auto", choices=("auto", "bf16", "int8"),
-                   help="the draft's fused weights (auto: 8-bit when the target runs on quantized weights)")
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="the draft's fused weights (auto: 8-bit when the target runs on quantized weights; int4 "
+                        "halves the bytes a draft step reads, at some cost in acceptance)")
     p.add_argument("--recalibrate", "--tree-recalibrate", dest="recalibrate", action="store_true",
                    help="measure the verify-cost curve again (e.g. it was cached while the machine was busy)")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from ..decode.spec import DRAFT_WEIGHTS
 from .options import add_draft, add_dtype, add_target
 
 
@@ -64,6 +65,13 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", default="1,27", help="tapped target layers (the default draft's)")
     p.add_argument("--paths", default="bf16-python,auto-python,auto-native", help="configurations to time")
+    p.add_argument("--parts", default="ceiling,linears,draft",
+                   help="measured beside the steps: ceiling (int8 multiply-adds/s), linears (the layers' linears "
+                        "on M rows), draft (one draft step); comma-separated, '' for none")
+    add_draft(p)
+    p.add_argument("--draft-weights", default="int8", choices=[w for w in DRAFT_WEIGHTS if w != "auto"],
+                   help="the draft's weights in the draft step (decoding on a quantized target uses int8)")
+    p.add_argument("--accepted", type=int, default=2, help="positions committed by the verify before the draft step")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_run("eval.step_profile"))
 

@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..decode.spec import DRAFT_WEIGHTS
 from ..train import heldout
 from .options import add_dtype, add_target, add_weights
 
@@ -288,7 +289,7 @@ def cmd_heldout_tau(args) -> int:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, "bf16", weights=args.weights)
     prompts = heldout.heldout_prompts(target.tokenizer, args.set, args.prompts, args.heldout)
-    rows = heldout.heldout_tau(target, drafts, prompts, args.max_new_tokens, args.block_size)
+    rows = heldout.heldout_tau(target, drafts, prompts, args.max_new_tokens, args.block_size, args.draft_weights)
     for r in rows:
         r.update(target=args.target, set=args.set, weights=args.weights)
         print(json.dumps(r), flush=True)
@@ -311,6 +312,8 @@ def _register_heldout(sub) -> None:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)
     add_weights(p)
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="the drafts' fused weights (auto: 8-bit beside a quantized target)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="append the results as JSON lines to this file")
     p.set_defaults(func=cmd_heldout_tau)

@@ -37,7 +37,7 @@ from .proposers.tree import TreeProposer
 log = logging.getLogger(__name__)
 
 PLD_BLOCK_SIZE = 16  # prompt lookup's default block: it drafts as far as a copy goes, verification is the limit
-DRAFT_WEIGHTS = ("auto", "bf16", "int8")
+DRAFT_WEIGHTS = ("auto", "bf16", "int8", "int4")
 BATCH_POLICIES = ("always", "measured")
 ALIASES = {"none": "ar", "plain": "ar", "lookup": "pld", "prompt-lookup": "pld", "fixed-width": "dflash",
            "adaptive": "dflash-adaptive", "tree": "dflash-tree", "tree-lookup": "dflash+lookup"}
@@ -51,7 +51,8 @@ class DecodeSpec:
     PLD_BLOCK_SIZE for prompt lookup; an EAGLE draft's own chain length + 1), resolved once by `resolved`;
     denoise_steps: DFlash refinement passes per block; tree_budget: nodes per candidate tree (None: chosen per step
     from the verify-cost calibration); draft_weights: the fused draft's weights (auto: 8-bit when the target runs
-    on quantized weights, where the draft reads as many bytes per step as a good share of the target, else bf16);
+    on quantized weights, where the draft reads as many bytes per step as a good share of the target, else bf16;
+    int4 halves the bytes again, at some cost in how often its proposals are accepted);
     batch_policy: with several rows, `measured` drafts only in steps where the calibration says it pays (policy.py),
     `always` drafts every step; recalibrate: measure the verify cost again instead of reading the cached one;
     pld_max_ngram / pld_num_pred: prompt lookup's longest n-gram and tokens per proposal (None: the block)."""

@@ -10,7 +10,17 @@ the draft's tapped layers included), the cache cropped back after each. Configur
 Each configuration runs `--reps` timed steps per round, rounds rotate the order, the median is reported; one
 `torch.profiler` table per configuration (W = 1) shows where the time goes.
 
-    blockdraft step-profile --dtype bf16 --widths 1,4,8,16 --out benchmarks/step-profile/run.json
+Beside the steps (`--parts`):
+- `ceiling`: the machine's int8 multiply-add ceiling on the same threads (the kernels' `int8_peak`: register-only
+  chains of vpdpbusd, or AVX2's vpmaddubsw + vpaddw), the figure the linears are read against;
+- `linears`: every linear of the target's layers on M rows of float32 activations (M = the widths), one call
+  each: milliseconds and multiply-adds per second as a share of the ceiling;
+- `draft`: one draft step of `--draft` (the target's shipped draft by default) behind its real proposer, at its
+  decode block, each after an untimed verify of the target as in decoding: the catch-up of the context features
+  of `--accepted` newly committed positions, the draft's forward, its head, the copy gate's scoring and the
+  block's argmax, against the one-token target step of the same run.
+
+    blockdraft step-profile --dtype bf16 --widths 1,2,4,8,16,64 --out benchmarks/step-profile/run.json
 """
 
 from __future__ import annotations
@@ -22,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.loading import load_target
+from ..config import SamplingParams
+from ..decode.spec import DecodeSpec, build_engine
+from ..models.draft import DFlashDraftModel
+from ..models.loading import DEFAULT_TARGET, load_draft, load_target, resolve_draft
 from ..models.quant import quant_kernels
 from ..models.target import TargetModel
 from .machine import machine_info
@@ -65,16 +78,46 @@ def run(args) -> int:
         c.crop(args.context)
         return dt
 
+    parts = set(args.parts.split(",")) if args.parts else set()
+    extra = {}  # name -> (callable(width) -> seconds, widths)
+    if "draft" in parts:
+        draft_step = DraftStep(auto, args, gen)
+        extra["draft"] = (lambda w: draft_step(), [draft_step.block])
+    if "linears" in parts:
+        lin = Linears(auto, widths, gen)
+        extra["linears"] = (lin, widths)
+    # the ceiling is sampled in the same rotation (the machine's speed drifts by tens of percent over minutes)
+    ceiling_isas = ([] if "ceiling" not in parts or kernels is None else
+                    ["avx512-vnni", "avx2"] if kernels.cpu_has_vnni() else ["avx2"])
+    ceiling: dict[str, list[float]] = {name: [] for name in ceiling_isas}
     for name in configs:  # warm-up: first calls allocate and touch every weight
         for w in widths:
             step(name, w)
+    if kernels is not None:
+        kernels.set_kernel_isa(best_isa)
+    for f, ws in extra.values():
+        for w in ws:
+            f(w)
     times: dict[str, dict[int, list[float]]] = {n: {w: [] for w in widths} for n in configs}
-    names = list(configs)
+    times.update({n: {w: [] for w in ws} for n, (_, ws) in extra.items()})
+    names = list(configs) + list(extra) + (["ceiling"] if ceiling_isas else [])
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            if name == "ceiling":
+                for which in ceiling_isas:
+                    ceiling[which] += [kernels.int8_peak(which, 5_000_000) for _ in range(args.reps)]
+                continue
+            if name in extra:
+                f, ws = extra[name]
+                if kernels is not None:  # the draft and the linears run on the kernels decoding uses
+                    kernels.set_kernel_isa(best_isa)
+                for w in ws:
+                    times[name][w] += [f(w) for _ in range(args.reps)]
+                continue
             for w in widths:
                 times[name][w] += [step(name, w) for _ in range(args.reps)]
     table = {n: {w: 1e3 * statistics.median(v) for w, v in ws.items()} for n, ws in times.items()}
+    names = list(configs)
     profiles = {}
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,17 +126,107 @@ def run(args) -> int:
             for _ in range(args.reps):
                 step(name, 1)
         profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    if kernels is not None:  # the paths switch ISAs: what follows (and the machine record) runs on the best
+        kernels.set_kernel_isa(best_isa)
     print(f"target step at context {args.context}, ms (median of {args.rounds * args.reps}), dtype {args.dtype}")
     print("| path | " + " | ".join(f"{w} tok" for w in widths) + " |")
     print("|---|" + "---:|" * len(widths))
     for n in names:
         print(f"| {n} | " + " | ".join(f"{table[n][w]:.1f}" for w in widths) + " |")
+    # ratios and the draft's share against the path decoding uses (the first native one timed)
+    base = next((n for n in names if n == "auto-native"), names[-1])
+    one = table[base][widths[0]] if widths[0] == 1 else None
+    summary = {}
+    if one is not None:
+        summary["ratio_to_one_token"] = {w: table[base][w] / one for w in widths}
+        print(f"ratio to one token ({base}): " + ", ".join(f"{w}: {table[base][w] / one:.2f}x" for w in widths))
+    if "draft" in parts:
+        ms = table["draft"][draft_step.block]
+        summary["draft"] = {"ms": ms, "block": draft_step.block, "accepted": args.accepted, "path": draft_step.path,
+                            "weights": draft_step.weights, "share_of_one_token": ms / one if one else None}
+        print(f"draft step ({draft_step.path}, block {draft_step.block}, {draft_step.weights} weights, "
+              f"{args.accepted} positions caught up): {ms:.2f} ms" + (f" = {ms / one:.0%} of a one-token step"
+                                                                      if one else ""))
+    if ceiling_isas:
+        summary["ceiling_gmacs"] = {k: statistics.median(v) / 1e9 for k, v in ceiling.items()}
+        print("int8 ceiling, G multiply-adds/s on", args.threads, "threads (median, sampled with the steps):",
+              ", ".join(f"{k} {v:.0f}" for k, v in summary["ceiling_gmacs"].items()))
+    if "linears" in parts:
+        peak = summary.get("ceiling_gmacs", {}).get(best_isa)
+        rows = {w: {"ms": table["linears"][w], "gmacs": lin.macs * w / table["linears"][w] / 1e6} for w in widths}
+        for w, r in rows.items():
+            r["share_of_ceiling"] = r["gmacs"] / peak if peak else None
+        summary["linears"] = {"count": len(lin.lins), "macs_per_row": lin.macs, "rows": rows}
+        print(f"{len(lin.lins)} linears ({lin.macs / 1e6:.1f} M multiply-adds per row), {best_isa} kernels:")
+        for w, r in rows.items():
+            share = f", {r['share_of_ceiling']:.0%} of the ceiling" if peak else ""
+            print(f"  M={w:3d}: {r['ms']:6.2f} ms, {r['gmacs']:6.1f} G/s{share}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": "blockdraft step-profile " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
             "machine": machine_info(), "weights": auto.weights.describe(), "kernel_isa": best_isa, "ms": table,
-            "profiles": profiles}, indent=1))
+            **summary, "profiles": profiles}, indent=1))
         print(f"wrote {out}")
     return 0
+
+
+class Linears:
+    """Every linear of the target's layers on M rows of float32 activations (what the native stack feeds them), one
+    call each: f(M) -> seconds. Each call also pays Python's dispatch (a few microseconds)."""
+
+    def __init__(self, target: TargetModel, widths: list[int], gen: torch.Generator) -> None:
+        self.lins = [getattr(layer, n) for layer in target.lean.layers
+                     for n in ("qkv_proj", "o_proj", "gate_up", "down")]
+        self.macs = sum(lin.out_features * lin.in_features for lin in self.lins)
+        self.xs = {w: [torch.randn(w, lin.in_features, generator=gen) for lin in self.lins] for w in widths}
+
+    def __call__(self, w: int) -> float:
+        t0 = time.perf_counter()
+        for lin, x in zip(self.lins, self.xs[w]):
+            lin(x)
+        return time.perf_counter() - t0
+
+
+class DraftStep:
+    """One draft step behind the real proposer, as the engine runs it after a verify: the context features of the
+    newly committed positions caught up, then a block drafted greedily. The proposer's context is cropped back
+    after each call, so every call sees the same `--context` positions. Before each timed call a verify of the
+    draft's block runs on the target (untimed), as in decoding: its ~100 MB of weights stream through the caches,
+    so the draft reads its own weights from memory, not from a cache it had to itself (measured alone, a draft
+    step here took about half as long)."""
+
+    def __init__(self, target: TargetModel, args, gen: torch.Generator) -> None:
+        path = resolve_draft(args.draft, args.target or DEFAULT_TARGET)
+        if path is None:
+            raise SystemExit("step-profile: no draft is shipped for this target: pass --draft DIR, or leave "
+                             "'draft' out of --parts")
+        draft = load_draft(path, target)
+        if not isinstance(draft, DFlashDraftModel):
+            raise SystemExit(f"{path} is not a DFlash draft")
+        self.path, self.weights = str(path), args.draft_weights
+        # the fixed-width chain's proposer, as `--method dflash` builds it (no calibration needed)
+        self.proposer = build_engine(target, draft, DecodeSpec("dflash", draft_weights=args.draft_weights)).proposer
+        self.block = self.proposer.block_size
+        target.set_layer_ids(draft.context_layer_ids)
+        # the committed tokens: the context, the newly verified positions and the anchor (the verify's bonus token)
+        self.tokens = torch.randint(0, target.vocab_size, (args.context + args.accepted + 1,), generator=gen)
+        cache = target.new_decode_cache(args.context + args.accepted + self.block + 8)
+        feats = target.forward(self.tokens[None, :-1], cache, last_only=True).features
+        self.target, self.cache, self.verified = target, cache, cache.length
+        self.ctx = args.context
+        self.proposer.start(self.tokens[:args.context], feats[:, :args.context])
+        self.new = feats[:, args.context:]
+        self.accepted = args.accepted
+
+    def __call__(self) -> float:
+        self.target.forward(self.tokens[None, -self.block:], self.cache)  # the verify before (untimed)
+        self.cache.crop(self.verified)
+        t0 = time.perf_counter()
+        self.proposer.accept(self.new, self.accepted)
+        out = self.proposer.propose(self.tokens, self.block - 1, SamplingParams(), None)
+        dt = time.perf_counter() - t0
+        assert out.tokens.numel() == self.block - 1
+        self.proposer.ctx.crop(self.ctx)
+        return dt

@@ -63,7 +63,7 @@ class Linear:
     `F.linear`. The packed copy is made once; the source weight is not kept."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
-        self.out_features = int(weight.shape[0])
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.bias = None if bias is None else bias.detach()
         self.packed = packed
         w = weight.detach()

@@ -62,13 +62,15 @@ def heldout_prompts(tokenizer, prompt_set: str, n: int, heldout: str | None) -> 
 
 
 def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]], max_new_tokens: int,
-                block_size: int | None = None) -> list[dict]:
+                block_size: int | None = None, draft_weights: str = "auto") -> list[dict]:
     """For each (name, draft directory): greedy decode every prompt at fixed width `block_size` (default: the
-    draft's recommended decode block) -> {tau, position-1 acceptance, acceptance per draft position, ...}."""
+    draft's recommended decode block), the draft's fused weights in `draft_weights` (DecodeSpec) -> {tau,
+    position-1 acceptance, acceptance per draft position, ...}."""
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     rows = []
     for name, path in drafts:
-        eng = build_engine(target, load_draft(path, target), DecodeSpec("dflash", block_size=block_size))
+        eng = build_engine(target, load_draft(path, target),
+                           DecodeSpec("dflash", block_size=block_size, draft_weights=draft_weights))
         steps = committed = 0
         acc: list[int] = []  # accepted / verified per draft position
         tri: list[int] = []
@@ -84,7 +86,7 @@ def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]],
                 tri[k] += t
         profile = [round(a / t, 4) if t else None for a, t in zip(acc, tri)]
         rows.append({"draft": name, "path": path, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                     "block_size": block_size, "tau": committed / max(1, steps),
+                     "block_size": block_size, "draft_weights": eng.spec.draft_weights, "tau": committed / max(1, steps),
                      "position1_acceptance": acc[0] / max(1, tri[0]) if tri else 0.0,
                      "position_acceptance": profile})
     return rows

@@ -26,7 +26,7 @@ class DFlashProposer(Proposer):
                  denoise_steps: int = 1, lean: bool | LeanDraft = True, draft_weights: str = "bf16") -> None:
         """block_size: at most block_size - 1 drafts per step (None: `draft.decode_block_size`; the engine's width
         policy chooses how many of them a step drafts). lean: run the draft through `LeanDraft` (fused, prepacked
-        weights in `draft_weights`, "bf16" or "int8"; a snapshot of the draft's weights now), else through the
+        weights in `draft_weights`, "bf16", "int8" or "int4"; a snapshot of the draft's weights now), else through the
         module (the reference the tests compare with); a LeanDraft of this draft is shared as it is (it holds no
         per-sequence state: the batched engine's per-row clones use one)."""
         check_compatible(draft.config, target)

@@ -1,6 +1,8 @@
 // Python bindings of the quantized linears (qlinear.h) and of the native decoder stack (decoder.cpp).
 #include "qlinear.h"
 
+#include <chrono>
+
 using namespace blockdraft;
 
 void register_decoder(pybind11::module& m);
@@ -74,6 +76,57 @@ torch::Tensor argmax_rows(const torch::Tensor& xin) {
   return out.view(shape);
 }
 
+// The machine's int8 multiply-add ceiling: every thread runs `iters` rounds of 12 independent multiply-add chains on
+// registers (no memory traffic), VNNI: vpdpbusd (64 multiply-adds), AVX2: vpmaddubsw + vpaddw (32 multiply-adds,
+// what the AVX2 kernels' inner loop issues per weight register and row). -> multiply-adds per second over all
+// threads. The kernels' figures are read as a share of it: what they lose to unpacking, scales, loads and stores.
+constexpr int kPeakChains = 12;
+
+BLOCKDRAFT_VNNI int64_t peak_vnni(int64_t iters, int32_t seed) {
+  __m512i acc[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) acc[i] = _mm512_set1_epi32(seed + i);
+  const __m512i a = _mm512_set1_epi32(seed * 3 + 1), b = _mm512_set1_epi32(seed * 5 + 2);
+  for (int64_t it = 0; it < iters; ++it) {
+    for (int i = 0; i < kPeakChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    asm volatile("" : "+v"(acc[0]), "+v"(acc[5]), "+v"(acc[11]));  // keeps the loop from being folded
+  }
+  __m512i s = acc[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm512_add_epi32(s, acc[i]);
+  return _mm512_reduce_add_epi32(s);
+}
+
+int64_t peak_avx2(int64_t iters, int32_t seed) {
+  __m256i acc[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) acc[i] = _mm256_set1_epi16(static_cast<int16_t>(seed + i));
+  const __m256i a = _mm256_set1_epi8(static_cast<char>(seed | 1)), b = _mm256_set1_epi8(static_cast<char>(seed + 2));
+  for (int64_t it = 0; it < iters; ++it) {
+    for (int i = 0; i < kPeakChains; ++i) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a, b));
+    asm volatile("" : "+x"(acc[0]), "+x"(acc[5]), "+x"(acc[11]));
+  }
+  __m256i s = acc[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm256_add_epi16(s, acc[i]);
+  return hsum_epi32(_mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+}
+
+// isa "avx512-vnni" or "avx2"; threads: torch's pool (each thread one equal share) -> multiply-adds per second
+double int8_peak(const std::string& isa, int64_t iters) {
+  TORCH_CHECK(isa == "avx2" || isa == "avx512-vnni", "isa must be 'avx2' or 'avx512-vnni'");
+  TORCH_CHECK(isa == "avx2" || cpu_has_vnni(), "this CPU has no AVX512-VNNI");
+  TORCH_CHECK(iters > 0, "iters must be > 0");
+  const bool vnni = isa == "avx512-vnni";
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) sink += vnni ? peak_vnni(iters, static_cast<int32_t>(i)) : peak_avx2(iters, i);
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double per_round = kPeakChains * (vnni ? 64.0 : 32.0);
+  static volatile int64_t kept;  // the chains' results are used: the loops cannot be dropped
+  kept = sink.load();
+  return static_cast<double>(threads) * iters * per_round / s;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -99,6 +152,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           isa_slot().store(static_cast<int>(name == "avx2" ? Isa::kAvx2 : Isa::kVnni));
         }, "use these kernels from now on (both give the same bits; for tests and measurements)");
   m.def("argmax_rows", &argmax_rows, "x [..., V] float32 -> int64 [...]: torch.argmax(x, -1), the same indices",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_peak", &int8_peak, "the int8 multiply-add ceiling of this CPU on torch's threads: (isa, rounds per "
+        "thread) -> multiply-adds per second", pybind11::arg("isa"), pybind11::arg("iters"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   register_decoder(m);
 }
