@@ -90,8 +90,12 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=640)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the draft proposes among this many tokens")
+    ap.add_argument("--extra-taps", default="", help="with --init: target layers the continued draft also reads, "
+                    "comma-separated (its fusion's new columns start at zero; --layers above its own appends layers "
+                    "that start as the identity): draft capacity, grown without forgetting")
     ap.add_argument("--init", default="target", help="'target' (a fresh draft from the target's last layers) or a "
-                    "draft directory to continue (its layers, taps and vocabulary are kept)")
+                    "draft directory to continue (its layers, taps and vocabulary are kept, or grown by --layers / "
+                    "--extra-taps)")
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--sizes", default="", help="a data-scaling curve instead of one run: comma-separated record "
                     "counts, each a run of --epochs epochs on that many records (a seeded draw of all of them)")
@@ -189,11 +193,13 @@ def main() -> int:
         records = existing + new_records
         say("training on", len(records), "records (", len(existing), "packaged +", len(new_records), "new )")
         taps = default_target_layer_ids(target.num_layers, min(args.taps, target.num_layers))
-        if args.init != "target":  # a continued draft keeps its own taps, layers and vocabulary
+        if args.init != "target":  # a continued draft keeps its taps, layers and vocabulary (or gains some)
             from blockdraft.models.draft import DFlashDraftModel
 
             init_cfg = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32).config
-            taps, args.layers = list(init_cfg.target_layer_ids), max(args.layers, init_cfg.num_hidden_layers)
+            extra = [int(i) for i in args.extra_taps.split(",") if i.strip()]
+            taps = sorted(set(init_cfg.target_layer_ids) | set(extra))
+            args.layers = max(args.layers, init_cfg.num_hidden_layers)
             if args.block != init_cfg.block_size:  # the live source trains whole blocks of the draft's own size
                 raise SystemExit(f"--block {args.block}: {args.init} has block size {init_cfg.block_size}; a "
                                  "continued draft trains at its own block size (shorter blocks need a teacher cache)")

@@ -80,6 +80,8 @@ torch::Tensor argmax_rows(const torch::Tensor& xin) {
 // registers (no memory traffic), VNNI: vpdpbusd (64 multiply-adds), AVX2: vpmaddubsw + vpaddw (32 multiply-adds,
 // what the AVX2 kernels' inner loop issues per weight register and row). -> multiply-adds per second over all
 // threads. The kernels' figures are read as a share of it: what they lose to unpacking, scales, loads and stores.
+// It is a lower bound of the peak, not the peak: on an AMD Zen 4 the q4 kernels on 64 rows came out a few percent
+// above it (the register loop and the kernels see the same clock only when sampled in one rotation).
 constexpr int kPeakChains = 12;
 
 BLOCKDRAFT_VNNI int64_t peak_vnni(int64_t iters, int32_t seed) {
