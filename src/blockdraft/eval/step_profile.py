@@ -209,11 +209,10 @@ class DraftStep:
         # the fixed-width chain's proposer, as `--method dflash` builds it (no calibration needed)
         self.proposer = build_engine(target, draft, DecodeSpec("dflash", draft_weights=args.draft_weights)).proposer
         self.block = self.proposer.block_size
-        target.set_layer_ids(draft.context_layer_ids)
         # the committed tokens: the context, the newly verified positions and the anchor (the verify's bonus token)
         self.tokens = torch.randint(0, target.vocab_size, (args.context + args.accepted + 1,), generator=gen)
         cache = target.new_decode_cache(args.context + args.accepted + self.block + 8)
-        feats = target.forward(self.tokens[None, :-1], cache, last_only=True).features
+        feats = target.forward(self.tokens[None, :-1], cache, last_only=True, tap=draft.context_layer_ids).features
         self.target, self.cache, self.verified = target, cache, cache.length
         self.ctx = args.context
         self.proposer.start(self.tokens[:args.context], feats[:, :args.context])
