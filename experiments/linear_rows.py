@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""All 120 linears of the default target on its GGUF weights (the native q4 kernels), one call each with M rows of
-bf16 activations, M = 1 .. 64: milliseconds per pass, per row, and GMAC/s (best of 5 passes). Shows where batched
-rows stop being free on this CPU: the kernels read each weight once per call, so at 1 row they are bound by memory
-and from a few rows on by the int8 multiply-adds.
+"""All 120 linears of the default target on its GGUF weights (the native q4 kernels), one call each with M rows,
+M = 1 .. 64: milliseconds per pass, per row, and GMAC/s (best of 5 passes). The calls are `step-profile --parts
+linears`' (float32 activations, as the native stack feeds them; the figures in docs dated before 2026-12-04 fed
+bf16). Shows where batched rows stop being free on this CPU: the kernels read each weight once per call, so at 1
+row they are bound by memory and from a few rows on by the int8 multiply-adds.
 
     .venv/bin/python experiments/linear_rows.py --threads 2
 """
@@ -10,7 +11,6 @@ and from a few rows on by the int8 multiply-adds.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -21,21 +21,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
+    from blockdraft.eval.step_profile import Linears
     from blockdraft.models.loading import load_target
 
     target, _ = load_target(None, "bf16")
-    lins = [getattr(layer, n) for layer in target.lean.layers for n in ("qkv_proj", "o_proj", "gate_up", "down")]
-    macs = sum(lin.out_features * lin.in_features for lin in lins)
-    print(f"{len(lins)} linears, {macs / 1e6:.1f} M multiply-adds per row, {args.threads} threads")
-    for m in (1, 2, 4, 8, 16, 64):
-        xs = [torch.randn(m, lin.in_features, dtype=torch.bfloat16) for lin in lins]
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for lin, x in zip(lins, xs):
-                lin(x)
-            best = min(best, time.perf_counter() - t0)
-        print(f"M={m:3d}: {best * 1e3:7.2f} ms, {best * 1e3 / m:5.2f} ms/row, {macs * m / best / 1e9:5.1f} GMAC/s")
+    widths = [1, 2, 4, 8, 16, 64]
+    lins = Linears(target, widths, torch.Generator().manual_seed(0))
+    print(f"{len(lins.lins)} linears, {lins.macs / 1e6:.1f} M multiply-adds per row, {args.threads} threads")
+    for m in widths:
+        best = min(lins(m) for _ in range(5))
+        print(f"M={m:3d}: {best * 1e3:7.2f} ms, {best * 1e3 / m:5.2f} ms/row, {lins.macs * m / best / 1e9:5.1f} GMAC/s")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]],
                 tri[k] += t
         profile = [round(a / t, 4) if t else None for a, t in zip(acc, tri)]
         rows.append({"draft": name, "path": path, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                     "block_size": block_size, "draft_weights": eng.spec.draft_weights, "tau": committed / max(1, steps),
+                     "block_size": block_size, "draft_weights": eng.spec.draft_weights,
+                     "tau": committed / max(1, steps),
                      "position1_acceptance": acc[0] / max(1, tri[0]) if tri else 0.0,
                      "position_acceptance": profile})
     return rows
