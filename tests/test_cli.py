@@ -1,6 +1,7 @@
 """The CLI end to end on a tiny random LLaMA saved with the real SmolLM2 tokenizer (fast, no hub)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -146,3 +147,36 @@ def test_step_profile_times_steps_linears_and_a_draft_step(tiny_dir, tmp_path):
     nodraft = run("step-profile", "--target", tiny_dir, "--dtype", "fp32", "--widths", "1", "--layers", "1,2",
                   "--paths", "auto-native", "--parts", "draft", check=False)
     assert nodraft.returncode != 0 and "--draft DIR" in nodraft.stderr
+
+
+def test_prefill_bench_pairs_the_engine_with_llamacpp_servers_own_timing(tiny_dir, tmp_path, monkeypatch):
+    """`blockdraft prefill-bench` end to end against a stand-in llama-server (its prompt timing is fixed at 5 ms,
+    so the ratio is the engine's own time against it; figures, not timing assertions)."""
+    from test_llamacpp_server import FAKE
+
+    exe = tmp_path / "bin" / "llama-server"
+    exe.parent.mkdir()
+    exe.write_text(f"#!{sys.executable}\n" + FAKE)
+    exe.chmod(0o755)
+    monkeypatch.setenv("BLOCKDRAFT_LLAMACPP_BIN", str(exe.parent))
+    (tmp_path / "t.gguf").write_bytes(b"GGUF")  # the stand-in never reads it
+    run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "d")
+    out = tmp_path / "prefill.json"
+    p = run("prefill-bench", "--target", tiny_dir, "--dtype", "fp32", "--tokens", "40,100", "--rounds", "2",
+            "--draft", tmp_path / "d", "--threads", "1", "--llamacpp-gguf", tmp_path / "t.gguf", "--out", out)
+    r = json.loads(out.read_text())
+    assert set(r["seconds"]) == {"ar", "dflash", "llamacpp-server"}
+    assert all(len(v) == 2 for by_n in r["seconds"].values() for v in by_n.values())
+    assert r["seconds"]["llamacpp-server"]["100"] == [0.005, 0.005]
+    for m in ("ar", "dflash"):
+        for n in ("40", "100"):
+            ours = r["seconds"][m][n]
+            assert min(ours) > 0
+            assert r["median"][m][n]["tokens_per_s"] == pytest.approx(int(n) / statistics.median(ours))
+            # paired per round: each round's llama time over that round's own time
+            assert r["ratio_to_llamacpp_server"][m][n] == pytest.approx(statistics.median(0.005 / s for s in ours))
+    assert "| ar |" in p.stdout and "dflash" in p.stdout
+    too_long = run("prefill-bench", "--target", tiny_dir, "--tokens", "500", "--methods", "ar", check=False)
+    assert too_long.returncode != 0 and "context" in too_long.stderr
+    bad = run("prefill-bench", "--target", tiny_dir, "--methods", "ar,vllm", check=False)
+    assert bad.returncode != 0 and "vllm" in bad.stderr

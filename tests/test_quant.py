@@ -114,10 +114,11 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads(kind, half_scales, is
     # 1,099 columns: enough 16-column tiles that two threads split them into several chunks of work
     lin = QuantLinear(_weights(kind, 1099, 96, gen, half_scales))
     assert lin.native().scale_bits == (16 if half_scales else 32)
-    x = torch.randn(19, 96, generator=gen)
+    # 45 rows: from 32 rows on the activations are quantized by the threads, row ranges split between them
+    x = torch.randn(45, 96, generator=gen)
     torch.set_num_threads(2)
     full = lin(x)
-    for i in (0, 4, 10, 18):
+    for i in (0, 4, 10, 18, 33, 44):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])  # bitwise: the exactness of speculative decoding rests on it
     assert torch.equal(lin(x[3:8]), full[3:8])
     n = torch.get_num_threads()
@@ -430,6 +431,28 @@ def test_native_stack_rows_equal_one_token_steps(dtype, one_thread):
             one = target.forward(ids[:, 9 + j:10 + j], c2)
             assert torch.equal(one.logits[0, 0], block.logits[0, j])
             assert torch.equal(one.features[0, 0], block.features[0, j])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_rows_equal_one_token_steps_from_an_empty_cache(dtype, threads):
+    """A prefill's causal queries stop at their own slot (no scores for the keys after it) and are dealt to the
+    threads round-robin: every position still gets the bits of feeding the prompt one token at a time."""
+    target = TargetModel(tiny_llama_q(dtype=dtype), ToyTokenizer(), layer_ids=(1,), weights=WeightPlan("int4"))
+    assert target.lean.native is not None
+    ids = torch.randint(0, 99, (1, 37), generator=torch.Generator().manual_seed(11))
+    saved = torch.get_num_threads()
+    with torch.no_grad():
+        torch.set_num_threads(threads)
+        try:
+            whole = target.forward(ids, target.new_decode_cache(48))
+            c = target.new_decode_cache(48)
+            steps = [target.forward(ids[:, j:j + 1], c) for j in range(ids.shape[1])]
+        finally:
+            torch.set_num_threads(saved)
+    for j, one in enumerate(steps):
+        assert torch.equal(one.logits[0, 0], whole.logits[0, j]), j
+        assert torch.equal(one.features[0, 0], whole.features[0, j]), j
 
 
 def test_native_stack_with_biases_and_refusals(one_thread):

@@ -2,7 +2,7 @@
 
 Subcommands by module: decode.py (generate, chat), train.py (init-draft, data, wide-prompts, pack, features, train,
 teacher-cache, export, heldout-tau), bench.py (bench), serve.py (serve), tools.py (soak, serve-bench,
-step-profile, reduce-vocab, plot); options.py declares the options they share."""
+step-profile, prefill-bench, reduce-vocab, plot); options.py declares the options they share."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Product tools as subcommands: soak (the server under a long mixed load), serve-bench (serving throughput over
-HTTP), step-profile (one target step per weights mode and decoder path), reduce-vocab (a draft proposing among the
+HTTP), step-profile (one target step per weights mode and decoder path), prefill-bench (prefill beside llama.cpp's
+prompt processing), reduce-vocab (a draft proposing among the
 most frequent tokens), plot (learning curves). Each imports its module only when it runs."""
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def register(sub) -> None:
     p.add_argument("--accepted", type=int, default=2, help="positions committed by the verify before the draft step")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_run("eval.step_profile"))
+
+    p = sub.add_parser("prefill-bench", help="prefill speed beside llama.cpp's own prompt processing of the same "
+                                             "GGUF, methods interleaved",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target(p)
+    add_dtype(p)
+    add_draft(p, "draft for the dflash method (default: the shipped one)")
+    p.add_argument("--tokens", default="512", help="prompt lengths, comma-separated")
+    p.add_argument("--methods", default="ar,dflash,llamacpp-server",
+                   help="comma list of ar, dflash (our engine) and llamacpp-server (llama.cpp's own timing)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llamacpp-gguf", default=None, help="GGUF for llama-server (default: the target's own file)")
+    p.add_argument("--out", default=None, help="also write the figures as JSON")
+    p.set_defaults(func=_run("eval.prefill"))
 
     p = sub.add_parser("reduce-vocab", help="derive a draft proposing only among the N most frequent response "
                                             "tokens of its training records (lossless: verification stays full)")

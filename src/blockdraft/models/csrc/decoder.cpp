@@ -169,50 +169,59 @@ void attention_rows(const std::vector<AttnRow<C>>& rows, int64_t q_stride, int64
   const int64_t group = n_q / n_kv;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const float ninf = -std::numeric_limits<float>::infinity();
-  // one job per (row, new query, head), numbered row by row, so every thread gets a share whatever the widths
+  // one job per (row, new query, head), numbered row by row
   std::vector<int64_t> first(rows.size() + 1, 0);
   int64_t longest = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     first[i + 1] = first[i] + rows[i].t * n_q;
     longest = std::max(longest, rows[i].start + rows[i].t);
   }
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+  // Jobs are dealt round-robin to the threads: a causal query's cost grows with its position, so contiguous
+  // ranges of a prefill's jobs would leave one thread with three quarters of the work.
+  const int64_t jobs = first.back();
+  const int64_t stride = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
+  at::parallel_for(0, stride, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> p((longest + 7) / 8 * 8);
-    size_t ri = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t job = begin; job < end; ++job) {
-      while (job >= first[ri + 1]) ++ri;
-      const AttnRow<C>& R = rows[ri];
-      const int64_t local = job - first[ri], hh = local % n_q, r = local / n_q, g = hh / group;
-      const int64_t total = R.start + R.t, padded = (total + 7) / 8 * 8, start = R.start;
-      const float* qv = R.q + r * q_stride + hh * d;
-      const C* kh = R.kb + g * R.cap * d;
-      const C* vh = R.vb + g * R.cap * d;
-      const int64_t seen_end = R.seen == Seen::kCausal ? start + r + 1 : total;
-      // scores four keys at a time (the last group repeats the last key); unseen keys score -inf
-      float four[4];
-      const C* ks[4];
-      for (int64_t s = 0; s < total; s += 4) {
-        for (int j = 0; j < 4; ++j) ks[j] = kh + std::min<int64_t>(s + j, total - 1) * d;
-        dot4_d(qv, ks, d, four);
-        for (int64_t j = 0; j < 4 && s + j < total; ++j) {
-          const int64_t k = s + j;
-          const bool ok = k < start || (k < seen_end && (R.seen != Seen::kTree || R.tm[r * R.t + (k - start)]));
-          p[k] = ok ? four[j] * scale : ninf;
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      size_t ri = 0;
+      for (int64_t job = lane; job < jobs; job += stride) {
+        while (job >= first[ri + 1]) ++ri;
+        const AttnRow<C>& R = rows[ri];
+        const int64_t local = job - first[ri], hh = local % n_q, r = local / n_q, g = hh / group;
+        const int64_t start = R.start, seen_end = R.seen == Seen::kCausal ? start + r + 1 : start + R.t;
+        // A causal query stops at its own slot: the keys after it would score -inf, weigh exactly 0 and add
+        // exact zeros to the sums, so skipping them computes what a one-token step at this position computes,
+        // bit for bit (and halves a prefill's scoring). A tree's or a block's query runs over the whole row.
+        const int64_t total = R.seen == Seen::kCausal ? seen_end : start + R.t, padded = (total + 7) / 8 * 8;
+        const float* qv = R.q + r * q_stride + hh * d;
+        const C* kh = R.kb + g * R.cap * d;
+        const C* vh = R.vb + g * R.cap * d;
+        // scores four keys at a time (the last group repeats the last key); unseen keys score -inf
+        float four[4];
+        const C* ks[4];
+        for (int64_t s = 0; s < total; s += 4) {
+          for (int j = 0; j < 4; ++j) ks[j] = kh + std::min<int64_t>(s + j, total - 1) * d;
+          dot4_d(qv, ks, d, four);
+          for (int64_t j = 0; j < 4 && s + j < total; ++j) {
+            const int64_t k = s + j;
+            const bool ok = k < start || (k < seen_end && (R.seen != Seen::kTree || R.tm[r * R.t + (k - start)]));
+            p[k] = ok ? four[j] * scale : ninf;
+          }
         }
+        for (int64_t s = total; s < padded; ++s) p[s] = ninf;
+        __m256 mx8 = _mm256_set1_ps(ninf);
+        for (int64_t s = 0; s < padded; s += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(p.data() + s));
+        const float mx = hmax256(mx8);
+        const __m256 mv = _mm256_set1_ps(mx);
+        for (int64_t s = 0; s < padded; s += 8)
+          _mm256_storeu_ps(p.data() + s, exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv)));
+        // summed in slot order: unseen keys add exact zeros, so a tree node (whose ancestors sit at other slots than
+        // in a chain, in the same order) gets the sum of its chain, bit for bit
+        float sum = 0.f;
+        for (int64_t s = 0; s < total; ++s) sum += p[s];
+        const float inv = 1.f / sum;
+        weighted_values(p.data(), inv, vh, total, d, R.att + r * n_q * d + hh * d);
       }
-      for (int64_t s = total; s < padded; ++s) p[s] = ninf;
-      __m256 mx8 = _mm256_set1_ps(ninf);
-      for (int64_t s = 0; s < padded; s += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(p.data() + s));
-      const float mx = hmax256(mx8);
-      const __m256 mv = _mm256_set1_ps(mx);
-      for (int64_t s = 0; s < padded; s += 8)
-        _mm256_storeu_ps(p.data() + s, exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv)));
-      // summed in slot order: unseen keys add exact zeros, so a tree node (whose ancestors sit at other slots than
-      // in a chain, in the same order) gets the sum of its chain, bit for bit
-      float sum = 0.f;
-      for (int64_t s = 0; s < total; ++s) sum += p[s];
-      const float inv = 1.f / sum;
-      weighted_values(p.data(), inv, vh, total, d, R.att + r * n_q * d + hh * d);
     }
   });
 }
@@ -288,12 +297,14 @@ void attend_rows(int64_t li, const Rows& rows, const std::vector<torch::Tensor>&
     const int64_t cap = kcs[i].size(3), o = rows.offset[i], t = rows.offset[i + 1] - o;
     C* kb = kcs[i].data_ptr<C>() + li * n_kv * cap * d;
     C* vb = vcs[i].data_ptr<C>() + li * n_kv * cap * d;
-    for (int64_t r = o; r < o + t; ++r) {
-      float* q = qkv + r * row;
-      if (cs != nullptr)
-        for (int64_t hh = 0; hh < n_q + n_kv; ++hh) rope(q + hh * d, cs + r * d, sn + r * d, d);
-      store_kv(q + n_q * d, q + (n_q + n_kv) * d, n_kv, d, kb, vb, cap, starts[i] + (r - o));
-    }
+    for_rows(t, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = o + r0; r < o + r1; ++r) {
+        float* q = qkv + r * row;
+        if (cs != nullptr)
+          for (int64_t hh = 0; hh < n_q + n_kv; ++hh) rope(q + hh * d, cs + r * d, sn + r * d, d);
+        store_kv(q + n_q * d, q + (n_q + n_kv) * d, n_kv, d, kb, vb, cap, starts[i] + (r - o));
+      }
+    });
     const bool tree = trees != nullptr && (*trees)[i].defined();
     jobs.push_back(AttnRow<C>{qkv + o * row, kb, vb, cap, starts[i], t, tree ? Seen::kTree : plain,
                               tree ? (*trees)[i].data_ptr<bool>() : nullptr, att + o * n_q * d});
@@ -305,11 +316,15 @@ void attend_rows(int64_t li, const Rows& rows, const std::vector<torch::Tensor>&
 // h = RMSNorm(x) with ln. hbuf [t, H], gu [t, 2I], act [t, I], tmp [t, H]: scratch.
 inline void mlp_residual(float* x, int64_t t, int64_t h, int64_t inter, const float* ln, float eps,
                          const QLin& gate_up, const QLin& down, float* hbuf, float* gu, float* act, float* tmp) {
-  for (int64_t r = 0; r < t; ++r) rms_norm(x + r * h, ln, h, eps, hbuf + r * h);
+  for_rows(t, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * h, ln, h, eps, hbuf + r * h);
+  });
   gate_up.apply(hbuf, t, gu);
-  for (int64_t r = 0; r < t; ++r) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+  for_rows(t, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+  });
   down.apply(act, t, tmp);
-  add_into(x, tmp, t * h);
+  for_rows(t, [&](int64_t r0, int64_t r1) { add_into(x + r0 * h, tmp + r0 * h, (r1 - r0) * h); });
 }
 
 // A 1-d float vector of exactly n entries on the CPU (a norm's weights): anything else is refused here, where a
@@ -383,8 +398,10 @@ class Decoder {
     float* xr = res.data_ptr<float>();
     for (int64_t li = 0; li < num_layers(); ++li) {
       const Layer& L = layers_[li];
-      for (int64_t r = 0; r < t; ++r)
-        rms_norm(xr + r * h_, L.ln_in.data_ptr<float>(), h_, L.eps_in, hbuf.data() + r * h_);
+      for_rows(t, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          rms_norm(xr + r * h_, L.ln_in.data_ptr<float>(), h_, L.eps_in, hbuf.data() + r * h_);
+      });
       L.qkv.apply(hbuf.data(), t, qkv.data());
       const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
       if (rows.fp32)
@@ -394,7 +411,7 @@ class Decoder {
         attend_rows<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, cs, sn, &tree_c,
                                   Seen::kCausal, att.data());
       L.o.apply(att.data(), t, tmp.data());
-      add_into(xr, tmp.data(), t * h_);
+      for_rows(t, [&](int64_t r0, int64_t r1) { add_into(xr + r0 * h_, tmp.data() + r0 * h_, (r1 - r0) * h_); });
       mlp_residual(xr, t, h_, inter_, L.ln_post.data_ptr<float>(), L.eps_post, L.gate_up, L.down, hbuf.data(),
                    gu.data(), act.data(), tmp.data());
       for (size_t j = 0; j < tap.size(); ++j)
@@ -403,8 +420,10 @@ class Decoder {
             std::copy(xr + r * h_, xr + (r + 1) * h_, feats.data_ptr<float>() + r * tap.size() * h_ + j * h_);
     }
     torch::Tensor out = torch::empty({t, h_}, torch::kFloat);
-    for (int64_t r = 0; r < t; ++r)
-      rms_norm(xr + r * h_, final_norm_.data_ptr<float>(), h_, final_eps_, out.data_ptr<float>() + r * h_);
+    for_rows(t, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        rms_norm(xr + r * h_, final_norm_.data_ptr<float>(), h_, final_eps_, out.data_ptr<float>() + r * h_);
+    });
     return {out.to(x.scalar_type()), feats.to(x.scalar_type())};
   }
 

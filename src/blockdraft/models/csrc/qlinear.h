@@ -84,6 +84,22 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Rows from which the per-row work around the matmuls (quantizing activations, norms, RoPE, SiLU) runs across the
+// threads: serial, it left one of two cores idle for a tenth of a 512-token prefill; below this a parallel region
+// costs more than it saves, so a decode step's few rows stay on the calling thread.
+constexpr int64_t kParallelRows = 32;
+
+// f(begin, end) over the rows [0, m), split across the threads from kParallelRows rows on. Rows are independent, so
+// the split changes no bits.
+template <typename F>
+inline void for_rows(int64_t m, const F& f) {
+  if (m < kParallelRows || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+    f(0, m);
+    return;
+  }
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) { f(begin, end); });
+}
+
 // Activations of M rows, quantized per block of 32: codes xq, scales dx, exact block sums xs and 8 dx times the sum of
 // each block's codes, dxs8 (the q4 kernel's centring term). Stored block-major (xq [G, M, 32], the others [G, M]):
 // a kernel on rows row .. row + R - 1 finds every row of block b at a fixed distance from the first, so the
@@ -101,9 +117,15 @@ struct QuantRows {
   template <typename T>
   QuantRows(const T* x, int64_t m_, int64_t k_) : m(m_), k(k_), g(k_ / kBlock), xq(m_ * k_), dx(m_ * g),
                                                    xs(m_ * g), dxs8(m_ * g) {
+    for_rows(m, [&](int64_t r0, int64_t r1) { quantize(x, r0, r1); });
+  }
+
+ private:
+  template <typename T>
+  void quantize(const T* x, int64_t r0, int64_t r1) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t row = 0; row < m; ++row)
+    for (int64_t row = r0; row < r1; ++row)
       for (int64_t b = 0; b < g; ++b) {
         const T* src = x + row * k + b * kBlock;
         const int64_t i = b * m + row;
