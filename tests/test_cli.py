@@ -180,3 +180,8 @@ def test_prefill_bench_pairs_the_engine_with_llamacpp_servers_own_timing(tiny_di
     assert too_long.returncode != 0 and "context" in too_long.stderr
     bad = run("prefill-bench", "--target", tiny_dir, "--methods", "ar,vllm", check=False)
     assert bad.returncode != 0 and "vllm" in bad.stderr
+    bad = run("prefill-bench", "--target", tiny_dir, "--tokens", "64,many", check=False)
+    assert bad.returncode != 0 and "--tokens" in bad.stderr
+    monkeypatch.setenv("BLOCKDRAFT_LLAMACPP_BIN", str(tmp_path / "nowhere"))
+    alone = run("prefill-bench", "--target", tiny_dir, "--tokens", "64", "--methods", "llamacpp-server", check=False)
+    assert alone.returncode != 0 and "nothing to measure" in alone.stderr and "not found" in alone.stderr

@@ -55,8 +55,11 @@ def run(args) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise SystemExit(f"--methods: unknown {bad or 'empty list'}; choose among {', '.join(METHODS)}")
-    lengths = [int(x) for x in args.tokens.split(",")]
-    if any(n < 1 for n in lengths) or args.rounds < 1:
+    try:
+        lengths = [int(x) for x in args.tokens.split(",")]
+    except ValueError:
+        raise SystemExit(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+    if not lengths or any(n < 1 for n in lengths) or args.rounds < 1:
         raise SystemExit("--tokens and --rounds must be positive")
     target, src = load_target(args.target, args.dtype, weights="auto")
     if max(lengths) + 2 > target.max_context:
@@ -84,6 +87,8 @@ def run(args) -> int:
         else:
             notes.append(f"llamacpp-server skipped: {why}")
             print(notes[-1])
+    if not runners:
+        raise SystemExit("nothing to measure: " + "; ".join(notes))
     try:
         prompts = {n: prompt_ids(target.tokenizer, n) for n in lengths}
         order = list(runners)
