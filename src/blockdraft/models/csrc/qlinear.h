@@ -85,8 +85,9 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 // Rows from which the per-row work around the matmuls (quantizing activations, norms, RoPE, SiLU) runs across the
-// threads: serial, it left one of two cores idle for a tenth of a 512-token prefill; below this a parallel region
-// costs more than it saves, so a decode step's few rows stay on the calling thread.
+// threads: serial, it would leave one of two cores idle for about a tenth of a 512-token prefill (an estimate from
+// its operation counts). Below this a parallel region costs more than it saves, so a decode step's few rows stay
+// on the calling thread.
 constexpr int64_t kParallelRows = 32;
 
 // f(begin, end) over the rows [0, m), split across the threads from kParallelRows rows on. Rows are independent, so
