@@ -10,6 +10,7 @@ import torch
 
 from blockdraft.models.loading import materialize, resolve_target
 from conftest import seeded
+from test_llamacpp_server import fake_bin  # noqa: F401 - the stand-in llama-server, a fixture
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +150,9 @@ def test_step_profile_times_steps_linears_and_a_draft_step(tiny_dir, tmp_path):
     assert nodraft.returncode != 0 and "--draft DIR" in nodraft.stderr
 
 
-def test_prefill_bench_pairs_the_engine_with_llamacpp_servers_own_timing(tiny_dir, tmp_path, monkeypatch):
+def test_prefill_bench_pairs_the_engine_with_llamacpp_servers_own_timing(tiny_dir, tmp_path, monkeypatch, fake_bin):
     """`blockdraft prefill-bench` end to end against a stand-in llama-server (its prompt timing is fixed at 5 ms,
     so the ratio is the engine's own time against it; figures, not timing assertions)."""
-    from test_llamacpp_server import FAKE
-
-    exe = tmp_path / "bin" / "llama-server"
-    exe.parent.mkdir()
-    exe.write_text(f"#!{sys.executable}\n" + FAKE)
-    exe.chmod(0o755)
-    monkeypatch.setenv("BLOCKDRAFT_LLAMACPP_BIN", str(exe.parent))
     (tmp_path / "t.gguf").write_bytes(b"GGUF")  # the stand-in never reads it
     run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "d")
     out = tmp_path / "prefill.json"

@@ -76,6 +76,18 @@ inline void add_into(float* x, const float* y, int64_t n) {
   for (; i < n; ++i) x[i] += y[i];
 }
 
+// out [t, H] = RMSNorm of each row of x [t, H]; x [t, H] += y [t, H]. Rows run across the threads from
+// kParallelRows on (for_rows): each row's operations are the same either way.
+inline void rms_norm_rows(const float* x, const float* w, int64_t t, int64_t h, float eps, float* out) {
+  for_rows(t, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * h, w, h, eps, out + r * h);
+  });
+}
+
+inline void add_rows(float* x, const float* y, int64_t t, int64_t h) {
+  for_rows(t, [&](int64_t r0, int64_t r1) { add_into(x + r0 * h, y + r0 * h, (r1 - r0) * h); });
+}
+
 // v [D] rotated in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[D/2:], v[:D/2])
 inline void rope(float* v, const float* cs, const float* sn, int64_t d) {
   const int64_t half = d / 2;
@@ -316,15 +328,13 @@ void attend_rows(int64_t li, const Rows& rows, const std::vector<torch::Tensor>&
 // h = RMSNorm(x) with ln. hbuf [t, H], gu [t, 2I], act [t, I], tmp [t, H]: scratch.
 inline void mlp_residual(float* x, int64_t t, int64_t h, int64_t inter, const float* ln, float eps,
                          const QLin& gate_up, const QLin& down, float* hbuf, float* gu, float* act, float* tmp) {
-  for_rows(t, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * h, ln, h, eps, hbuf + r * h);
-  });
+  rms_norm_rows(x, ln, t, h, eps, hbuf);
   gate_up.apply(hbuf, t, gu);
   for_rows(t, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
   });
   down.apply(act, t, tmp);
-  for_rows(t, [&](int64_t r0, int64_t r1) { add_into(x + r0 * h, tmp + r0 * h, (r1 - r0) * h); });
+  add_rows(x, tmp, t, h);
 }
 
 // A 1-d float vector of exactly n entries on the CPU (a norm's weights): anything else is refused here, where a
@@ -398,10 +408,7 @@ class Decoder {
     float* xr = res.data_ptr<float>();
     for (int64_t li = 0; li < num_layers(); ++li) {
       const Layer& L = layers_[li];
-      for_rows(t, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          rms_norm(xr + r * h_, L.ln_in.data_ptr<float>(), h_, L.eps_in, hbuf.data() + r * h_);
-      });
+      rms_norm_rows(xr, L.ln_in.data_ptr<float>(), t, h_, L.eps_in, hbuf.data());
       L.qkv.apply(hbuf.data(), t, qkv.data());
       const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
       if (rows.fp32)
@@ -411,7 +418,7 @@ class Decoder {
         attend_rows<at::BFloat16>(li, rows, kcs, vcs, starts, qkv.data(), nq_, nkv_, d_, cs, sn, &tree_c,
                                   Seen::kCausal, att.data());
       L.o.apply(att.data(), t, tmp.data());
-      for_rows(t, [&](int64_t r0, int64_t r1) { add_into(xr + r0 * h_, tmp.data() + r0 * h_, (r1 - r0) * h_); });
+      add_rows(xr, tmp.data(), t, h_);
       mlp_residual(xr, t, h_, inter_, L.ln_post.data_ptr<float>(), L.eps_post, L.gate_up, L.down, hbuf.data(),
                    gu.data(), act.data(), tmp.data());
       for (size_t j = 0; j < tap.size(); ++j)
@@ -420,10 +427,7 @@ class Decoder {
             std::copy(xr + r * h_, xr + (r + 1) * h_, feats.data_ptr<float>() + r * tap.size() * h_ + j * h_);
     }
     torch::Tensor out = torch::empty({t, h_}, torch::kFloat);
-    for_rows(t, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        rms_norm(xr + r * h_, final_norm_.data_ptr<float>(), h_, final_eps_, out.data_ptr<float>() + r * h_);
-    });
+    rms_norm_rows(xr, final_norm_.data_ptr<float>(), t, h_, final_eps_, out.data_ptr<float>());
     return {out.to(x.scalar_type()), feats.to(x.scalar_type())};
   }
 
