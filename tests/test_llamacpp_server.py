@@ -142,7 +142,7 @@ def test_bench_runs_llamacpp_dflash_with_llamacpps_tau(fake_bin, tmp_path):
     row = next(r for r in res["summary"]["0"]["rows"] if r["method"] == "llamacpp-dflash")
     assert row["tau"] == 2.0 and row["llamacpp"]["accept_rate"] == pytest.approx(1 / 3)
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "### llama.cpp + our DFlash draft (T=0)" in report
+    assert "### llama.cpp's speculative decoding (T=0)" in report
     assert "| p | llamacpp-dflash | 24 | 8 | 8 | 0.33 | 2.00 | — |" in report  # 2 prompts x 8 tokens: 4 steps each
 
 
@@ -163,3 +163,43 @@ def test_bench_skips_llamacpp_dflash_with_a_note_without_the_tools(tmp_path, mon
     res = _bench(tmp_path, methods=("ar", "llamacpp-dflash"))
     assert res["methods"] == ["ar"]
     assert any(n.startswith("llamacpp-dflash skipped: llama-server not found") for n in res["notes"])
+
+
+def test_server_with_a_draft_model_keeps_llamacpps_defaults_or_takes_a_length(fake_bin, tmp_path):
+    with LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "d.gguf",
+                     spec_type="draft-simple") as srv:
+        assert srv.cmd[srv.cmd.index("--spec-type") + 1] == "draft-simple" and "--spec-draft-n-max" not in srv.cmd
+    with LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "d.gguf", draft_n=8,
+                     spec_type="draft-simple") as srv:
+        assert srv.cmd[srv.cmd.index("--spec-draft-n-max") + 1] == "8"
+    with pytest.raises(ValueError, match="spec_type"):
+        LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "d.gguf", spec_type="medusa")
+    with pytest.raises(ValueError, match="draft_n"):
+        LlamaServer(tmp_path / "t.gguf", threads=1, ctx=256, draft=tmp_path / "d.gguf")  # DFlash needs its block
+
+
+def test_bench_runs_llamacpp_spec_against_llamacpp_server(fake_bin, tmp_path):
+    for f in ("t.gguf", "small.gguf"):
+        (tmp_path / f).write_bytes(b"")
+    res = _bench(tmp_path, methods=("ar", "llamacpp-server", "llamacpp-spec", "llamacpp-spec-n"),
+                 llamacpp_gguf=str(tmp_path / "t.gguf"), llamacpp_spec_gguf=str(tmp_path / "small.gguf"),
+                 llamacpp_spec_n=6)
+    assert res["methods"] == ["ar", "llamacpp-server", "llamacpp-spec", "llamacpp-spec-n"]
+    assert any("llamacpp-spec-n: llama-server on t.gguf + draft model small.gguf (6 drafted tokens max)" in n
+               for n in res["notes"])
+    recs = [r for r in res["records"] if r["method"].startswith("llamacpp-spec")]
+    # the stand-in answers the same tokens with and without a draft: plain match against llamacpp-server
+    assert len(recs) == 4 and all(r["tau"] == 2.0 and r["match_plain"] is True for r in recs)
+    row = next(r for r in res["summary"]["0"]["rows"] if r["method"] == "ar")
+    assert row["vs_llamacpp_spec"]["against"] in ("llamacpp-spec", "llamacpp-spec-n")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### Against llama.cpp's speculative decoding (T=0)" in report
+
+
+def test_bench_skips_llamacpp_spec_without_a_draft_model(fake_bin, tmp_path):
+    (tmp_path / "t.gguf").write_bytes(b"")
+    res = _bench(tmp_path, methods=("ar", "llamacpp-spec"), llamacpp_gguf=str(tmp_path / "t.gguf"))
+    assert res["methods"] == ["ar"]
+    assert any(n.startswith("llamacpp-spec skipped: no draft model of the target's family") for n in res["notes"])
+    with pytest.raises(ValueError, match="llamacpp-spec-n must be >= 1"):
+        _bench(tmp_path, methods=("ar",), llamacpp_spec_n=0)

@@ -6,6 +6,7 @@ widths stay odd (37, 99) so that a row/column mix-up fails loudly."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -62,6 +63,8 @@ def naive_qlinear(x: torch.Tensor, w: quant.QWeight, bias: torch.Tensor | None =
         d, o = w.scale.double(), w.offset.double()
         dots = torch.einsum("mgj,ngj->mng", xq, c - centre)
         y = (dots * d[None] * dx[:, None] + (o + centre * d)[None] * xs[:, None]).sum(-1)
+    elif isinstance(w, quant.Stacked):
+        return torch.cat([naive_qlinear(x, p) for p in w.parts], dim=1) + (0 if bias is None else bias.double())
     else:
         c = w.codes.double().view(n, k // 16, 16)
         xh = xq.reshape(xq.shape[0], k // 16, 16)
@@ -200,8 +203,104 @@ def test_fused_parts_take_the_narrowest_format_that_holds_them_exactly():
     check(["Q4_1", "Q5_1"], Q5Weight)  # 4-bit codes are 5-bit codes with a zero fifth bit
     check(["Q5_0", "Q5_0", "Q8_0"], Q8Weight)  # Qwen2.5-0.5B's q/k/v in half its layers: Q5_0 is d (c - 16)
     check(["Q4_0", "Q8_0"], Q8Weight)
-    assert quant.fuse([kinds["Q4_1"], kinds["Q8_0"]]) is None  # an offset of its own: no 8-bit code holds it
-    assert quant.fuse([kinds["Q5_1"], kinds["Q8_0"]]) is None
+    # an offset of its own: no 8-bit code holds Q4_1 or Q5_1, so the parts stay side by side in their own formats
+    for parts, formats in ((["Q4_1", "Q8_0"], [Q4Weight, Q8Weight]),
+                           (["Q5_1", "Q4_1", "Q8_0"], [Q5Weight, Q8Weight])):  # neighbours of one format joined
+        w = quant.fuse([kinds[p] for p in parts])
+        assert isinstance(w, quant.Stacked) and [type(p) for p in w.parts] == formats
+        assert torch.equal(w.dequantize(), torch.cat([kinds[p].dequantize() for p in parts]))
+
+
+# ------------------------------------------------------------------------------------- K-quant layouts, stacks
+def _k_weight(kind: str, n: int, k: int, seed: int):
+    """A GGUF K-quant tensor (random blocks) as loaded: its factored scales set."""
+    w = quant.gguf_block_weight(kind, _gguf_blocks(kind, n, k, np.random.default_rng(seed)), k)
+    assert w.factored is not None
+    return w
+
+
+def _unfactored(w):
+    """w with float scales only: the layout the kernels held K-quants in before, the reference for their bits."""
+    return dataclasses.replace(w, factored=None)
+
+
+def _eight_bit(w: Q8Weight) -> Q8Weight:
+    """w and one more row whose code 100 does not fit 6 bits: the whole linear then takes the 8-bit kernels, and
+    its first N columns are the reference for the 6-bit ones."""
+    extra = torch.full((1, w.shape[1]), 100, dtype=torch.int8)
+    return Q8Weight(torch.cat([w.codes, extra]), torch.cat([w.scale, w.scale[:1]]))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quant_layouts_give_the_float_layouts_bits(kind, dtype, isa):
+    # K = 768: three super-blocks; N = 37: a part-filled last tile; m up to 21 takes every row-group size
+    gen = torch.Generator().manual_seed(5)
+    w = _k_weight(kind, 37, 768, 5)
+    bias = torch.randn(37, generator=gen)
+    lin = QuantLinear(w, bias)
+    ref = QuantLinear(_eight_bit(w), torch.cat([bias, bias[:1]])) if kind == "Q6_K" else (
+        QuantLinear(_unfactored(w), bias))
+    assert lin.native().layout == {"Q4_K": "q4", "Q5_K": "q5", "Q6_K": "q6"}[kind]
+    assert lin.native().scale_bits == 8 and ref.native().scale_bits == 32
+    assert ref.native().layout == {"Q4_K": "q4", "Q5_K": "q5", "Q6_K": "q8"}[kind]
+    # the point of it: fewer bytes to stream (per block and 16 columns: q4 296 against 384, q5 360 against 448, q6
+    # 424 against 640)
+    assert lin.native().weight_bytes < 0.85 * ref.native().weight_bytes
+    for m in (1, 3, 6, 16, 21):
+        x = (torch.randn(m, 768, generator=gen) * 3).to(dtype)
+        y = lin(x)
+        assert torch.equal(y, ref(x)[:, :37])  # bitwise: the same scales, the same integers, the same float steps
+        err = (y.double() - naive_qlinear(x, w, bias)).abs().max() / naive_qlinear(x, w, bias).abs().max()
+        assert err < (1e-5 if dtype == torch.float32 else 2 ** -8), f"{kind} m={m}: {err:.2e}"
+
+
+def test_k_quant_rows_do_not_depend_on_the_batch_or_threads(isa):
+    # 1,099 columns split over threads into chunks; 45 rows cross the 32-row threshold of the activations' split
+    gen = torch.Generator().manual_seed(6)
+    for kind in ("Q4_K", "Q6_K"):
+        lin = QuantLinear(_k_weight(kind, 1099, 512, 6))
+        x = torch.randn(45, 512, generator=gen)
+        torch.set_num_threads(2)
+        full = lin(x)
+        for i in (0, 7, 33, 44):
+            assert torch.equal(lin(x[i:i + 1])[0], full[i]), kind
+        n = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(lin(x), full), kind
+        finally:
+            torch.set_num_threads(n)
+
+
+def test_stacked_parts_compute_what_each_computes_alone(isa):
+    # Qwen2.5's q/k/v in a Q4_K_M file: Q4_K q and k beside a Q6_K v, one input quantized once for all three
+    gen = torch.Generator().manual_seed(7)
+    parts = [_k_weight("Q4_K", 37, 512, 1), _k_weight("Q4_K", 9, 512, 2), _k_weight("Q6_K", 9, 512, 3)]
+    w = quant.fuse(parts)
+    assert isinstance(w, quant.Stacked) and w.shape == (55, 512) and len(w.parts) == 2  # q and k joined
+    bias = torch.randn(55, generator=gen)
+    lin = QuantLinear(w, bias)
+    assert lin.native().layout == "q4+q6"
+    for m in (1, 5, 12):
+        x = torch.randn(m, 512, generator=gen)
+        alone = torch.cat([QuantLinear(p, b)(x) for p, b in zip(parts, bias.split([37, 9, 9]))], dim=1)
+        assert torch.equal(lin(x), alone)
+        err = (lin(x).double() - naive_qlinear(x, w, bias)).abs().max() / alone.abs().max()
+        assert err < 1e-5
+
+
+def test_factored_scales_that_do_not_multiply_out_are_refused():
+    w = _k_weight("Q4_K", 16, 256, 8)
+    k = quant.quant_kernels()
+    f = w.factored
+    with pytest.raises(RuntimeError, match="do not multiply out to scale"):
+        k.make_qlin(4, w.codes, w.scale * 1.5, w.offset, None, None, f.sub, f.sub_min, f.d, f.dmin)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        k.make_qlin(4, w.codes[:, :64], w.scale[:, :4], w.offset[:, :4], None, None, f.sub[:, :4], f.sub_min[:, :4],
+                    f.d, f.dmin)
+    with pytest.raises(AssertionError, match="do not multiply out"):
+        Q4Weight(w.codes, w.scale * 2, w.offset, f)
 
 
 # ------------------------------------------------------------------------------------------------ GGUF blocks

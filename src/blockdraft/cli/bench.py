@@ -50,6 +50,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="draft GGUF for llamacpp-dflash* (default: the --draft directory exported once)")
     p.add_argument("--llamacpp-draft-n", type=int, default=None,
                    help="llamacpp-dflash*: tokens drafted per step (default: the draft's decode block size - 1)")
+    p.add_argument("--llamacpp-spec-gguf", default=None,
+                   help="llamacpp-spec*: llama.cpp's draft model, a smaller GGUF of the target's family (default: the "
+                        "packaged one for a packaged target: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+    p.add_argument("--llamacpp-spec-n", type=int, default=bench.BenchConfig.llamacpp_spec_n,
+                   help="llamacpp-spec-n: tokens the draft model drafts per step at most (llamacpp-spec keeps "
+                        "llama.cpp's default)")
     p.add_argument("--eagle-draft", default=None, help="EAGLE draft directory (method eagle; skipped without)")
     p.add_argument("--gamma", type=int, default=bench.BenchConfig.gamma, help="eagle: tokens drafted per verify step")
     p.add_argument("--tree-budget", type=int, default=None,
@@ -74,8 +80,8 @@ def config_from_args(args) -> bench.BenchConfig:
                        tree_budget=args.tree_budget,
                        llamacpp_gguf=args.llamacpp_gguf, compile=args.compile,
                        llamacpp_bf16_gguf=args.llamacpp_bf16_gguf, llamacpp_draft_gguf=args.llamacpp_draft_gguf,
-                       llamacpp_draft_n=args.llamacpp_draft_n,
-                       threads=args.threads, plots=not args.no_plots,
+                       llamacpp_draft_n=args.llamacpp_draft_n, llamacpp_spec_gguf=args.llamacpp_spec_gguf,
+                       llamacpp_spec_n=args.llamacpp_spec_n, threads=args.threads, plots=not args.no_plots,
                        progress=not args.no_progress, command=shlex.join(["blockdraft"] + sys.argv[1:]))
 
 

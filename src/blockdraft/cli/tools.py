@@ -68,7 +68,8 @@ def register(sub) -> None:
     p.add_argument("--paths", default="bf16-python,auto-python,auto-native", help="configurations to time")
     p.add_argument("--parts", default="ceiling,linears,draft",
                    help="measured beside the steps: ceiling (int8 multiply-adds/s), linears (the layers' linears "
-                        "on M rows), draft (one draft step); comma-separated, '' for none")
+                        "on M rows), head (the LM head on M rows), read (read bandwidth and the step's read floor), "
+                        "draft (one draft step); comma-separated, '' for none")
     add_draft(p)
     p.add_argument("--draft-weights", default="int8", choices=[w for w in DRAFT_WEIGHTS if w != "auto"],
                    help="the draft's weights in the draft step (decoding on a quantized target uses int8)")

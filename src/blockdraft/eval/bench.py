@@ -22,6 +22,11 @@ Methods:
   `llamacpp-bf16` files, greedy only; tau is llama.cpp's mean acceptance length, and `plain match` says whether the
   greedy output equals the plain method's on the same file. Skipped with a note when the tools are not
   built.
+- `llamacpp-spec`, `llamacpp-spec-n`: llama.cpp's classic speculative decoding (`llama-server -md`, `--spec-type
+  draft-simple`) with a smaller model of the target's family as the draft model (`--llamacpp-spec-gguf`, default:
+  the packaged sibling, Qwen2.5-Coder-0.5B for `qwen2.5-coder-1.5b`), at llama.cpp's default draft settings and at
+  `--llamacpp-spec-n` drafted tokens at most; greedy only, `plain match` against `llamacpp-server`. What a user of
+  that target can pick today.
 
 Fairness: one target instance serves every method; one short warm-up generation per method is not measured;
 methods run prompt by prompt in a rotating order so that machine drift hits all of them alike. Every ratio is
@@ -62,11 +67,11 @@ log = logging.getLogger(__name__)
 # engine methods are names of the decode registry (`decode.spec`); the others are external references
 METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "lookup-tree", "pld", "hf-pld", "eagle",
            "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld", "llamacpp-bf16", "llamacpp-server",
-           "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
+           "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16", "llamacpp-spec", "llamacpp-spec-n")
 DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
 # external references run at temperature 0 only
 GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash",
-               "llamacpp-dflash-bf16")
+               "llamacpp-dflash-bf16", "llamacpp-spec", "llamacpp-spec-n")
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
 
@@ -97,6 +102,9 @@ class BenchConfig:
     llamacpp_bf16_gguf: str | None = None  # bf16 GGUF for llamacpp-bf16 / llamacpp-dflash-bf16 (default: exported)
     llamacpp_draft_gguf: str | None = None  # draft GGUF for llamacpp-dflash* (default: the draft, exported)
     llamacpp_draft_n: int | None = None  # llamacpp-dflash*: tokens drafted per step (default: the draft's block - 1)
+    # llamacpp-spec*: the draft model's GGUF (default: the packaged smaller model of the target's family, if any)
+    llamacpp_spec_gguf: str | None = None
+    llamacpp_spec_n: int = 8  # llamacpp-spec-n: --spec-draft-n-max
     eagle_draft: str | None = None  # EAGLE draft directory for method `eagle` (None: eagle is skipped)
     gamma: int = 7  # eagle: tokens drafted per verify step (chain length)
     tree_budget: int | None = None  # dflash-tree, dflash+lookup: nodes per step (None: chosen from a calibration)
@@ -115,6 +123,8 @@ class BenchConfig:
         bad = [m for m in cfg.methods if m not in METHODS]
         if bad or not cfg.methods:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+        if cfg.llamacpp_spec_n < 1:
+            raise ValueError(f"--llamacpp-spec-n must be >= 1, got {cfg.llamacpp_spec_n}")
         if cfg.prompts is None:
             badt = [t for t in cfg.tasks if t not in TASKS]
             if badt or not cfg.tasks:

@@ -21,11 +21,11 @@ from ..decode.calibrate import load_or_measure
 from ..decode.spec import DecodeSpec, build_engine
 from ..models.draft import DFlashDraftModel
 from ..models.eagle import EagleDraftModel
-from ..models.loading import load_draft, load_target, resolve_draft
+from ..models.loading import FAMILY_DRAFT_MODELS, load_draft, load_target, resolve_draft, resolve_target
 from ..models.quant import plan_weights
 from ..models.target import TargetModel
 from .external import LlamaCpp, llamacpp_available
-from .llamacpp_server import SERVER_METHODS, bf16_gguf, build_server_runners
+from .llamacpp_server import SERVER_METHODS, SPEC_METHODS, bf16_gguf, build_server_runners
 
 # engine methods: registry names, and their Hugging Face path variants
 DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup")
@@ -77,10 +77,27 @@ def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list
         built.external.update(build_server_runners(
             methods, target=cfg.target, target_gguf=gguf, bf16=cfg.llamacpp_bf16_gguf, draft_dir=draft_dir,
             draft_gguf=cfg.llamacpp_draft_gguf, draft_n=cfg.llamacpp_draft_n,
-            threads=cfg.threads or torch.get_num_threads(), n_ctx=min(target.max_context, 4096), notes=notes))
+            threads=cfg.threads or torch.get_num_threads(), n_ctx=min(target.max_context, 4096), notes=notes,
+            spec_gguf=_spec_gguf(cfg, notes), spec_n=cfg.llamacpp_spec_n))
     for mode in cfg.weights[1:]:
         _add_weights_engines(cfg, built, draft_model, mode, notes)
     return built
+
+
+def _spec_gguf(cfg, notes: list[str]) -> str | None:
+    """The draft model for llamacpp-spec*: --llamacpp-spec-gguf, else the packaged family draft of a packaged
+    target (None, noted, where it is not installed)."""
+    if cfg.llamacpp_spec_gguf or not any(m in cfg.methods for m in SPEC_METHODS):
+        return cfg.llamacpp_spec_gguf
+    family = FAMILY_DRAFT_MODELS.get(cfg.target or "")
+    if family is None:
+        return None
+    try:
+        src = resolve_target(family)
+    except FileNotFoundError as e:
+        notes.append(f"llamacpp-spec: the draft model {family} is not installed ({e})")
+        return None
+    return str(Path(src.path) / src.gguf_file)
 
 
 def _dflash_draft(cfg, target, target_name: str, draft, methods: list[str]):

@@ -73,7 +73,7 @@ class LlamaServer:
     methods and this server run the same attention kernels and their greedy outputs are comparable."""
 
     def __init__(self, model: str | Path, threads: int, ctx: int, draft: str | Path | None = None,
-                 draft_n: int | None = None, start_timeout: float = 180.0) -> None:
+                 draft_n: int | None = None, start_timeout: float = 180.0, spec_type: str = "draft-dflash") -> None:
         exe = find_tool(SERVER)
         if exe is None:
             raise FileNotFoundError(server_missing())
@@ -82,10 +82,17 @@ class LlamaServer:
         cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-c", str(ctx), "-np", "1", "-fa", "off", "--metrics", "--no-webui"]
         if draft is not None:
-            if not draft_n or draft_n < 1:
+            if spec_type not in ("draft-dflash", "draft-simple"):
+                raise ValueError(f"spec_type must be draft-dflash or draft-simple, got {spec_type!r}")
+            if draft_n is not None and draft_n < 1:
                 raise ValueError(f"draft_n must be >= 1 with a draft, got {draft_n}")
-            cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_n),
-                    "--spec-draft-n-min", "0"]
+            if draft_n is None and spec_type == "draft-dflash":
+                raise ValueError("a DFlash draft needs draft_n (its block - 1)")
+            # draft-simple: classic speculative decoding with a small model of the target's family; draft_n None
+            # keeps llama.cpp's own defaults (what a user gets from `-md` alone)
+            cmd += ["-md", str(draft), "--spec-type", spec_type]
+            if draft_n is not None:
+                cmd += ["--spec-draft-n-max", str(draft_n), "--spec-draft-n-min", "0"]
         self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -213,8 +220,13 @@ class ServerRunner:
 # ------------------------------------------------------------------------------------------ the bench's methods
 # llama-server plain (llama.cpp at its fastest: no Python bindings per token) and with our DFlash draft, on the
 # target's own GGUF and on its bf16 export
-SERVER_METHODS = ("llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16")
-PLAIN_REFERENCE = {"llamacpp-dflash": "llamacpp", "llamacpp-dflash-bf16": "llamacpp-bf16"}  # same GGUF, no draft
+# and llama.cpp's classic speculative decoding with a smaller model of the target's family as the draft model
+# (`-md`): at llama.cpp's default draft settings (`llamacpp-spec`) and at a chosen draft length (`llamacpp-spec-n`)
+SERVER_METHODS = ("llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16",
+                  "llamacpp-spec", "llamacpp-spec-n")
+SPEC_METHODS = ("llamacpp-spec", "llamacpp-spec-n")
+PLAIN_REFERENCE = {"llamacpp-dflash": "llamacpp", "llamacpp-dflash-bf16": "llamacpp-bf16",  # same GGUF, no draft
+                   "llamacpp-spec": "llamacpp-server", "llamacpp-spec-n": "llamacpp-server"}
 
 
 def default_draft_n(draft_dir: str | Path) -> int:
@@ -233,7 +245,8 @@ def bf16_gguf(target: str | None, given: str | None) -> Path:
 
 def build_server_runners(methods: list[str], *, target: str | None, target_gguf: str | None, bf16: str | None,
                          draft_dir: Path | None, draft_gguf: str | None, draft_n: int | None, threads: int,
-                         n_ctx: int, notes: list[str]) -> dict[str, ServerRunner]:
+                         n_ctx: int, notes: list[str], spec_gguf: str | None = None,
+                         spec_n: int | None = None) -> dict[str, ServerRunner]:
     """A started `ServerRunner` per requested `llamacpp-server*` / `llamacpp-dflash*` method; a method that cannot
     run is removed from `methods` with a note saying why. The caller closes the servers (`runner.server.close()`)."""
     out: dict[str, ServerRunner] = {}
@@ -244,12 +257,20 @@ def build_server_runners(methods: list[str], *, target: str | None, target_gguf:
         why = server_missing()
         if why is None and drafted and draft_dir is None and draft_gguf is None:
             why = "no DFlash draft (--draft DIR, or --llamacpp-draft-gguf FILE)"
+        if why is None and m in SPEC_METHODS and not spec_gguf:
+            why = "no draft model of the target's family (--llamacpp-spec-gguf FILE)"
         if why is None and own_file and not target_gguf:
             why = "no GGUF file for the target (--llamacpp-gguf PATH)"
         if why is None:
             try:
                 model = Path(target_gguf) if own_file else bf16_gguf(target, bf16)
-                if drafted:
+                if m in SPEC_METHODS:
+                    n = spec_n if m == "llamacpp-spec-n" else None
+                    out[m] = ServerRunner(LlamaServer(model, threads, n_ctx, spec_gguf, n, spec_type="draft-simple"))
+                    notes.append(f"{m}: llama-server on {model.name} + draft model {Path(spec_gguf).name} "
+                                 f"({'llama.cpp default draft settings' if n is None else f'{n} drafted tokens max'}"
+                                 f"), {threads} threads")
+                elif drafted:
                     dg = Path(draft_gguf) if draft_gguf else cached_gguf(draft_dir, target, "bf16")
                     n = draft_n or (default_draft_n(draft_dir) if draft_dir is not None else 3)
                     out[m] = ServerRunner(LlamaServer(model, threads, n_ctx, dg, n))

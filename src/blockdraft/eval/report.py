@@ -35,19 +35,22 @@ def summarize_records(records: list[dict], methods: list[str], block_sizes: dict
                 if not mine:
                     continue
                 rows.append(_row(task, m, mine, ar, block_sizes.get(m)))
-            _against_llamacpp(rows[first:], by_m)
+            _against_llamacpp(rows[first:], by_m, LLAMACPP_PLAIN, "vs_llamacpp")
+            _against_llamacpp(rows[first:], by_m, LLAMACPP_SPEC, "vs_llamacpp_spec")
         out[fmt_temperature(temp)] = {"temperature": temp, "tasks": tasks, "rows": rows}
     return out
 
 
-# llama.cpp decoding plainly on the target's own file: the reference a CPU user already has
+# llama.cpp decoding plainly on the target's own file: the reference a CPU user already has; and its speculative
+# decoding with a smaller model of the family as the draft model, what that user can switch on
 LLAMACPP_PLAIN = ("llamacpp", "llamacpp-server")
+LLAMACPP_SPEC = ("llamacpp-spec", "llamacpp-spec-n")
 
 
-def _against_llamacpp(rows: list[dict], by_m: dict) -> None:
-    """Give each of our methods' rows `vs_llamacpp`: its per-prompt decode tokens/s over that of the faster (by
-    median) of llama.cpp's plain methods in the run, paired by prompt; nothing when neither ran."""
-    plain = [m for m in LLAMACPP_PLAIN if by_m.get(m)]
+def _against_llamacpp(rows: list[dict], by_m: dict, refs: tuple[str, ...], key: str) -> None:
+    """Give each of our methods' rows `key`: its per-prompt decode tokens/s over that of the faster (by median) of
+    the llama.cpp methods `refs` in the run, paired by prompt; nothing when none ran."""
+    plain = [m for m in refs if by_m.get(m)]
     if not plain:
         return
     tps = {m: {k: r["decode_tokens_per_s"] for k, r in by_m[m].items()} for m in plain}
@@ -57,7 +60,7 @@ def _against_llamacpp(rows: list[dict], by_m: dict) -> None:
             continue
         mine = {k: r["decode_tokens_per_s"] for k, r in by_m[row["method"]].items()}
         if all(v is not None for v in mine.values()):
-            row["vs_llamacpp"] = dict(metrics.throughput_speedup(mine, tps[ref]), against=ref)
+            row[key] = dict(metrics.throughput_speedup(mine, tps[ref]), against=ref)
 
 
 def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -> dict:
@@ -172,12 +175,21 @@ def render_report(results: dict) -> str:
                               "| task | method | against | decode speedup |", "|---|---|---|---|",
                               [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | "
                                f"{fmt_speedup(r['vs_llamacpp'])} |" for r in vrows])
+        srows = [r for r in block["rows"] if r.get("vs_llamacpp_spec")]
+        if srows:
+            lines += _section(f"### Against llama.cpp's speculative decoding (T={tkey})",
+                              "Decode tokens/s over that of the faster of llama.cpp's speculative methods with a "
+                              "draft model (`llamacpp-spec*`) in this run (by median), paired per prompt.",
+                              "| task | method | against | decode speedup |", "|---|---|---|---|",
+                              [f"| {r['task']} | {r['method']} | {r['vs_llamacpp_spec']['against']} | "
+                               f"{fmt_speedup(r['vs_llamacpp_spec'])} |" for r in srows])
         lrows = [r for r in block["rows"] if r.get("llamacpp")]
         if lrows:
-            lines += [f"### llama.cpp + our DFlash draft (T={tkey})", "",
+            lines += [f"### llama.cpp's speculative decoding (T={tkey})", "",
                       "llama.cpp's own counters: drafted and accepted tokens, verify steps; tau = 1 + accepted / "
                       "steps. plain match = share of prompts whose greedy output equals llama.cpp's plain output on "
-                      "the same GGUF (`llamacpp` / `llamacpp-bf16`).", "",
+                      "the same GGUF (`llamacpp` / `llamacpp-bf16` for our DFlash draft, `llamacpp-server` for a "
+                      "draft model).", "",
                       "| task | method | drafted | accepted | steps | accept rate | tau | plain match |",
                       "|---|---|---:|---:|---:|---:|---:|---:|"]
             for r in lrows:

@@ -12,7 +12,8 @@ answer, prefill included). After that, for each concurrency c, c client threads 
 max(c, --min-requests) have completed.
 
 Reported per level: total completion tokens / wall seconds, per-request decode tok/s on the client's clock
-((completion tokens - 1) / (last chunk - first chunk)), mean time to first token, mean tau.
+((completion tokens - 1) / (last chunk - first chunk)), mean time to first token, mean tau, and the server
+process's resident memory after the level (VmRSS) and its peak so far (VmHWM, which includes loading).
 
     blockdraft serve-bench --threads 2 --out benchmarks/serving/DATE/serve.md
 
@@ -100,6 +101,19 @@ def level(client, model: str, prompts: list[list[dict]], concurrency: int, n_req
             "ttft_mean_s": statistics.mean(r["ttft"] for r in recs), "tau": statistics.mean(taus) if taus else None}
 
 
+def resident_gb(pid: int) -> dict[str, float | None]:
+    """A process's resident memory now (VmRSS) and its peak (VmHWM), GB; None where /proc does not say."""
+    out: dict[str, float | None] = {"rss_gb": None, "peak_gb": None}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out["rss_gb" if key == "VmRSS" else "peak_gb"] = int(value.split()[0]) * 1024 / 1e9
+    except OSError:
+        pass
+    return out
+
+
 def run(args) -> int:
     """`blockdraft serve-bench`: the comparison above, printed as markdown (and written to args.out)."""
     from openai import OpenAI  # a test dependency, needed only here
@@ -139,7 +153,7 @@ def run(args) -> int:
                 print(json.dumps(solo[-1]), file=sys.stderr, flush=True)
             for c in levels:
                 r = level(client, model, messages, c, max(c, args.min_requests), args.max_tokens)
-                r["method"] = method
+                r.update(method=method, **resident_gb(server.proc.pid))
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:
@@ -167,12 +181,17 @@ def run(args) -> int:
                      f"{statistics.mean(x['generate_tau'] for x in s):.2f} |")
     base = {r["concurrency"]: r["tok_per_s"] for r in rows if r["method"] == "ar"}
     lines += ["", "| method | concurrency | requests | total tok/s | vs ar | per-request decode tok/s | mean TTFT s "
-              "| tau |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| tau | server RSS GB | server peak GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def gb(v) -> str:
+        return "" if v is None else f"{v:.2f}"
+
     for r in rows:
         vs = f"{r['tok_per_s'] / base[r['concurrency']]:.2f}x" if r["concurrency"] in base else ""
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else ""
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['tok_per_s']:.1f} | {vs} | "
-                     f"{r['decode_tok_s_mean']:.1f} | {r['ttft_mean_s']:.2f} | {tau} |")
+                     f"{r['decode_tok_s_mean']:.1f} | {r['ttft_mean_s']:.2f} | {tau} | {gb(r.get('rss_gb'))} | "
+                     f"{gb(r.get('peak_gb'))} |")
     md = "\n".join(lines)
     print(md)
     if args.out:

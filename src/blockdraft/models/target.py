@@ -246,6 +246,13 @@ class TargetModel(nn.Module):
         """Whether the LM head runs on quantized weights (the weight plan's head; decoding only)."""
         return self._quant_head() is not None
 
+    def head_weight_bytes(self) -> int:
+        """The bytes the LM head streams per product: the quantized head's packed weights, else the float ones."""
+        q = self._quant_head()
+        if q is not None:
+            return int(q.native().weight_bytes) if q.native() is not None else 0
+        return int(self.lm_head.weight.numel() * self.lm_head.weight.element_size())
+
     def _quant_head(self) -> QuantLinear | None:
         """The LM head as the weight plan has it (quantized), or None where it stays float; built once."""
         if not self._qhead_built:

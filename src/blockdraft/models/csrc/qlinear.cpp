@@ -138,13 +138,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("bits", &QLin::bits)
       .def_readonly("out_features", &QLin::n)
       .def_readonly("in_features", &QLin::k)
-      .def_property_readonly("scale_bits", &QLin::scale_bits, "16 when the scales are held as float16, else 32");
+      .def_property_readonly("scale_bits", &QLin::scale_bits,
+                             "bits per stored scale: 16 / 32 (float16 / float32), 8 (factored K-quant scales)")
+      .def_property_readonly("layout", &QLin::layout, "the kernel family: q4, q5, q6 or q8 (a stack: joined by +)")
+      .def_property_readonly("weight_bytes", &QLin::weight_bytes, "the bytes one product streams (codes, scales)");
   m.def("make_qlin", &make_qlin,
         "a quantized linear, packed for the kernels: (bits 4: codes uint8 [N, K/2], scale and offset [N, K/32] | "
         "bits 5: the same, and high uint8 [N, K/8] | bits 8: codes int8 [N, K], scale [N, K/16], offset None), "
-        "bias [N] or None",
+        "bias [N] or None; optionally the scales factored as GGUF's K-quants hold them (sub, sub_min, super_scale, "
+        "super_min; see qlinear.h)",
         pybind11::arg("bits"), pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("offset"),
-        pybind11::arg("bias"), pybind11::arg("high") = pybind11::none());
+        pybind11::arg("bias"), pybind11::arg("high") = pybind11::none(), pybind11::arg("sub") = pybind11::none(),
+        pybind11::arg("sub_min") = pybind11::none(), pybind11::arg("super_scale") = pybind11::none(),
+        pybind11::arg("super_min") = pybind11::none());
+  m.def("stack_qlin", &stack_qlin, "linears over one input stacked along the output (their outputs side by side)",
+        pybind11::arg("parts"));
   m.def("kernel_isa", [] { return kernel_isa() == Isa::kVnni ? "avx512-vnni" : "avx2"; },
         "the instruction set the quantized products use now");
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU runs the AVX512-VNNI kernels");

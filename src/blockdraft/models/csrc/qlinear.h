@@ -5,7 +5,11 @@
 //       (GGUF Q4_0: o = -8d; Q4_1: o = m; Q4_K: d = d*sc, o = -dmin*m per sub-block of 32).
 //   q5: the same with a fifth bit, c in 0..31 (GGUF Q5_0: o = -16d; Q5_1: o = m; Q5_K as Q4_K).
 //   q8: signed 8-bit codes with a scale per 16 elements: w = s * c (GGUF Q8_0: one scale repeated for both
-//       halves of a block; Q6_K: codes - 32 with its per-16 scales).
+//       halves of a block; Q6_K: codes - 32 with its per-16 scales). Codes that fit 6 bits (Q6_K's) are held in 6
+//       ("q6": the q8 kernels' integers from unsigned codes, see Q8Packed).
+// GGUF's K-quants keep their scales factored, an integer per block times a float per 256 inputs (Q4Packed,
+// Q8Packed): the kernels multiply them out exactly and stream about the bits per weight the file holds. A fused
+// linear whose parts need different formats is a stack of linears over one quantized input (QLin::parts).
 //
 // Layout: the kernels read weights repacked once into panels of 8 output columns (`pack_q4`, `pack_q8`). Within a
 // panel and block, one 32-bit lane of a vector register holds 4 consecutive inputs of one column, so a vector of
@@ -106,10 +110,13 @@ inline void for_rows(int64_t m, const F& f) {
 // a kernel on rows row .. row + R - 1 finds every row of block b at a fixed distance from the first, so the
 // addresses cost no integer work per row (row-major, they cost a multiply and several adds per row and block, and
 // spilled the integer registers of the 8-row VNNI kernels).
+// The q6 kernels also read hs, the integer sum of each half block's codes ([G, M, 2]): their unsigned codes u = c + 32
+// give dot(c, xq) = dot(u, xq) - 32 sum(xq) exactly, per half block as the q8 scales are.
 struct QuantRows {
   int64_t m = 0, k = 0, g = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xs, dxs8;
+  std::vector<int32_t> hs;
 
   // block b's codes of row `row` (the rows after it follow every kBlock bytes), and its per-block values
   const int8_t* codes(int64_t row, int64_t b) const { return xq.data() + (b * m + row) * kBlock; }
@@ -117,7 +124,7 @@ struct QuantRows {
 
   template <typename T>
   QuantRows(const T* x, int64_t m_, int64_t k_) : m(m_), k(k_), g(k_ / kBlock), xq(m_ * k_), dx(m_ * g),
-                                                   xs(m_ * g), dxs8(m_ * g) {
+                                                   xs(m_ * g), dxs8(m_ * g), hs(2 * m_ * g) {
     for_rows(m, [&](int64_t r0, int64_t r1) { quantize(x, r0, r1); });
   }
 
@@ -141,7 +148,10 @@ struct QuantRows {
         const __m256i packed = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + i * kBlock), packed);
-        const int csum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        const int lsum = hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        const int csum = lsum + hsum;
+        hs[2 * i] = lsum;
+        hs[2 * i + 1] = hsum;
         dx[i] = d;
         xs[i] = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         dxs8[i] = 8.f * d * static_cast<float>(csum);
@@ -155,9 +165,18 @@ struct QuantRows {
 // the inputs 4t..4t+3 of 8 columns, its high nibbles the inputs 16+4t..16+4t+3. Per tile and block the scales are
 // d [2][8] and o [2][8], stored as float16 when every value is one exactly (GGUF's Q4_0 / Q4_1 scales are), else
 // float32.
+//
+// GGUF's K-quants give each block's scale and offset as an integer times a float per super-block of 256 inputs
+// (Q4_K / Q5_K: d = D sc, o = -Dmin mn, sc and mn 6-bit): those are held factored, a byte per block and column
+// instead of a float, and multiplied out in the kernel (`Q45Factored`). Each product is exact in float32 (an 11-bit
+// significand times a 6-bit integer), so the kernel sees the very scales the float layout holds: the same bits,
+// about a quarter fewer bytes to stream per 4-bit weight (18.5 against 24 per block and column).
 struct Q4Packed {
   int64_t n = 0, k = 0, g = 0, panels = 0;
   torch::Tensor codes, d, o;  // uint8 [P/2, G, 256]; float16 or float32 [P/2, G, 16], [P/2, G, 16]
+  // factored scales (d, o then undefined): sc, mn uint8 [P/2, G, 16]; sd, sm float32 [P/2, G/8, 16] (D and Dmin)
+  torch::Tensor sc, mn, sd, sm;
+  bool factored() const { return sc.defined(); }
 };
 
 // t as float16 when that loses nothing, else as it is (float32): the scales are a fifth of a 4-bit model's bytes
@@ -203,21 +222,87 @@ inline Q4Packed pack_q4(const torch::Tensor& qw, const torch::Tensor& d, const t
   return p;
 }
 
+// per-column values v [N, G'] (any dtype) -> panels [P/2, G', 16] of that dtype (padding columns zero)
+inline torch::Tensor pack_columns(const torch::Tensor& v, int64_t panels) {
+  const int64_t n = v.size(0), g = v.size(1);
+  torch::Tensor out = torch::zeros({panels * kPanel, g}, v.options());
+  out.narrow(0, 0, n).copy_(v);
+  // column col = (tile, panel, c) -> [tile][g][panel][c]
+  return out.view({panels / kTile, kTile, kPanel, g}).permute({0, 3, 1, 2}).reshape({panels / kTile, g, kTile * kPanel})
+      .contiguous();
+}
+
+// p's scales held factored instead (see Q4Packed): sc, mn uint8 [N, G]; sd, sm float32 [N, G/8]. The caller has
+// checked that they multiply out to the float scales exactly (`make_qlin`).
+inline void factor_q4(Q4Packed& p, const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& sd,
+                      const torch::Tensor& sm) {
+  p.sc = pack_columns(sc, p.panels);
+  p.mn = pack_columns(mn, p.panels);
+  p.sd = pack_columns(sd, p.panels);
+  p.sm = pack_columns(sm, p.panels);
+  p.d = p.o = torch::Tensor();
+}
+
+// The scales of one tile (16 columns, the VNNI kernels) or one panel (8 columns, AVX2; its pointers start 8 values
+// into the tile's) at block b, held as floats (S: float or at::Half): d and o [G][16].
+template <typename S>
+struct Q45Plain {
+  const S *d, *o;
+  const void* ahead(int64_t b, int64_t bytes) const { return d + b * 2 * kPanel + bytes / 8; }
+  __m256 d8(int64_t b) const { return load_scales(d + b * 2 * kPanel); }
+  __m256 o8(int64_t b) const { return load_scales(o + b * 2 * kPanel); }
+};
+
+inline __m256 u8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 negu8_ps(const uint8_t* p) {
+  const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), u));
+}
+
+// The same, factored: d = D sc and o = Dmin (-mn), sc / mn [G][16] bytes and D / Dmin [G/8][16] floats. The offset
+// is formed as Dmin times -mn (the same float as -(Dmin mn)): one multiply whose only consumer is a fused
+// multiply-add intrinsic, so the compiler has nothing to contract.
+struct Q45Factored {
+  const uint8_t *sc, *mn;
+  const float *sd, *sm;
+  const void* ahead(int64_t b, int64_t bytes) const { return sc + b * 2 * kPanel + bytes / 16; }
+  __m256 d8(int64_t b) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(sd + (b >> 3) * 2 * kPanel), u8_ps(sc + b * 2 * kPanel));
+  }
+  __m256 o8(int64_t b) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(sm + (b >> 3) * 2 * kPanel), negu8_ps(mn + b * 2 * kPanel));
+  }
+};
+
+// the scales of panel pi (half: 0 for a whole tile's, the VNNI kernels; kPanel for one panel's, AVX2)
+template <typename S>
+inline Q45Plain<S> q45_scales(const Q4Packed& w, int64_t pi, int64_t half) {
+  return {w.d.data_ptr<S>() + panel_base(pi, w.g, 2 * kPanel, half),
+          w.o.data_ptr<S>() + panel_base(pi, w.g, 2 * kPanel, half)};
+}
+inline Q45Factored q45_factored(const Q4Packed& w, int64_t pi, int64_t half) {
+  return {w.sc.data_ptr<uint8_t>() + panel_base(pi, w.g, 2 * kPanel, half),
+          w.mn.data_ptr<uint8_t>() + panel_base(pi, w.g, 2 * kPanel, half),
+          w.sd.data_ptr<float>() + panel_base(pi, w.g / 8, 2 * kPanel, half),
+          w.sm.data_ptr<float>() + panel_base(pi, w.g / 8, 2 * kPanel, half)};
+}
+
 // out[r] = acc[r] + the offset terms of row + r. They need no codes: a second pass keeps the main loop's registers for
 // the codes. Its rows run side by side (2R independent chains of multiply-adds instead of 2 at a time, the scales
 // loaded once for all rows); each row's chain is the same sequence of operations as alone, so the result does not
 // depend on R.
 // Centre: the codes' midpoint, 8 for q4 and 16 for q5 (whose centring term, 16 dx sum(xq) = 2 dxs8, is exact).
-template <int R, typename S, int Centre = 8>
-inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, int64_t row, const __m256* acc,
-                       __m256* out) {
+template <int R, typename Sc, int Centre = 8>
+inline void q4_offsets(const Sc& sc, int64_t g, const QuantRows& x, int64_t row, const __m256* acc, __m256* out) {
   const __m256 centre = _mm256_set1_ps(static_cast<float>(Centre));
   constexpr float times = Centre / 8;
   __m256 offp[R], offn[R];
   for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    const __m256 d8 = load_scales(pd + b * 2 * kPanel);
-    const __m256 a8 = _mm256_fmadd_ps(centre, d8, load_scales(po + b * 2 * kPanel));
+    const __m256 d8 = sc.d8(b);
+    const __m256 a8 = _mm256_fmadd_ps(centre, d8, sc.o8(b));
     const float *xs = x.xs.data() + b * x.m + row, *dxs8 = x.dxs8.data() + b * x.m + row;
     for (int r = 0; r < R; ++r) {
       offp[r] = _mm256_fmadd_ps(a8, _mm256_set1_ps(xs[r]), offp[r]);
@@ -229,12 +314,12 @@ inline void q4_offsets(const S* pd, const S* po, int64_t g, const QuantRows& x, 
 
 // Block b of a q4 panel: ask for the weights kPrefetch bytes ahead, and unpack its codes into 8 registers (chunk t's
 // low nibbles in w[t], its high nibbles in w[t + 4]), the same for every instruction set.
-template <typename S>
-inline void q4_block_codes(const uint8_t* pc, const S* pd, int64_t b, __m256i* w) {
+template <typename Sc>
+inline void q4_block_codes(const uint8_t* pc, const Sc& sc, int64_t b, __m256i* w) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int i = 0; i < 4; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetch + 64 * i), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(pd + b * 2 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetch)), _MM_HINT_T0);
   for (int t = 0; t < 4; ++t) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 256 + t * 64));
     w[t] = _mm256_and_si256(raw, m4);
@@ -246,16 +331,15 @@ inline void q4_block_codes(const uint8_t* pc, const S* pd, int64_t b, __m256i* w
 // w = d (c - 8) + (o + 8d): dot(w, x) = d dx (dot(c, xq) - 8 sum(xq)) + (o + 8d) sum(x). Centring halves the span
 // the integer part covers, so quantizing x costs half the error it would with d c + o. The integer dot of a block
 // is exact in int16 before its one widening multiply-add: |c x| <= 15 * 127, 16 products per lane <= 30480.
-template <int R, typename S>
-inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, const QuantRows& x,
-                     int64_t row, __m256* out) {
+template <int R, typename Sc>
+inline void q4_panel(const uint8_t* pc, const Sc& sc, int64_t g, const QuantRows& x, int64_t row, __m256* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
     __m256i w[8];
-    q4_block_codes(pc, pd, b, w);
-    const __m256 d8 = load_scales(pd + b * 2 * kPanel);
+    q4_block_codes(pc, sc, b, w);
+    const __m256 d8 = sc.d8(b);
     const int8_t* xr = x.codes(row, b);
     const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
@@ -266,7 +350,7 @@ inline void q4_panel(const uint8_t* pc, const S* pd, const S* po, int64_t g, con
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(dxr[r])), acc[r]);
     }
   }
-  q4_offsets<R>(pd, po, g, x, row, acc, out);
+  q4_offsets<R>(sc, g, x, row, acc, out);
 }
 
 // ------------------------------------------------------------------------------------------------------- q5
@@ -281,14 +365,12 @@ struct Q5Packed {
 };
 
 // hb uint8 [N, K/8] (per block, bit j of a little-endian 32-bit word = input j's fifth bit; GGUF's qh) -> panels
-inline Q5Packed pack_q5(const torch::Tensor& qw, const torch::Tensor& hb, const torch::Tensor& d,
-                        const torch::Tensor& o) {
-  Q5Packed p;
-  p.low = pack_q4(qw, d, o);
-  const Q4Packed& q = p.low;
-  p.high = torch::zeros({q.panels / kTile, q.g, 64}, torch::kByte);
+// one bit per input, hb uint8 [N, K/8] (per block, bit j of a little-endian 32-bit word = input j's) -> a plane
+// uint8 [P/2, G, 64] laid out as q5's fifth bits, for panels of q's geometry
+inline torch::Tensor pack_plane(const torch::Tensor& hb, const Q4Packed& q) {
+  torch::Tensor plane = torch::zeros({q.panels / kTile, q.g, 64}, torch::kByte);
   const uint8_t* src = hb.data_ptr<uint8_t>();
-  uint8_t* dst = p.high.data_ptr<uint8_t>();
+  uint8_t* dst = plane.data_ptr<uint8_t>();
   for (int64_t col = 0; col < q.n; ++col) {
     const int64_t pi = col / kPanel, c = col % kPanel;
     for (int64_t b = 0; b < q.g; ++b) {
@@ -301,6 +383,14 @@ inline Q5Packed pack_q5(const torch::Tensor& qw, const torch::Tensor& hb, const 
         }
     }
   }
+  return plane;
+}
+
+inline Q5Packed pack_q5(const torch::Tensor& qw, const torch::Tensor& hb, const torch::Tensor& d,
+                        const torch::Tensor& o) {
+  Q5Packed p;
+  p.low = pack_q4(qw, d, o);
+  p.high = pack_plane(hb, p.low);
   return p;
 }
 
@@ -315,9 +405,9 @@ inline __m256i fifth_bit(__m256i hb, __m256i m16) {
 
 // Block b of a q5 panel unpacked into 8 registers of codes 0..31 (q4's registers with the fifth bits added), the
 // same for every instruction set.
-template <typename S>
-inline void q5_block_codes(const uint8_t* pc, const uint8_t* ph, const S* pd, int64_t b, __m256i* w) {
-  q4_block_codes(pc, pd, b, w);
+template <typename Sc>
+inline void q5_block_codes(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t b, __m256i* w) {
+  q4_block_codes(pc, sc, b, w);
   _mm_prefetch(reinterpret_cast<const char*>(ph + b * 64 + kPrefetch / 4), _MM_HINT_T0);
   const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + b * 64));
   const __m256i m16 = _mm256_set1_epi8(0x10);
@@ -333,16 +423,16 @@ inline void q5_block_codes(const uint8_t* pc, const uint8_t* ph, const S* pd, in
 
 // R rows x one panel, q5: q4's arithmetic centred at 16. Codes up to 31 overflow int16 over a whole block
 // (16 products of 31 * 127 per lane), so each half of the registers widens on its own: 8 products <= 31496.
-template <int R, typename S>
-inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g, const QuantRows& x,
-                     int64_t row, __m256* out) {
+template <int R, typename Sc>
+inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t g, const QuantRows& x, int64_t row,
+                     __m256* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
     __m256i w[8];
-    q5_block_codes(pc, ph, pd, b, w);
-    const __m256 d8 = load_scales(pd + b * 2 * kPanel);
+    q5_block_codes(pc, ph, sc, b, w);
+    const __m256 d8 = sc.d8(b);
     const int8_t* xr = x.codes(row, b);
     const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
@@ -357,17 +447,29 @@ inline void q5_panel(const uint8_t* pc, const uint8_t* ph, const S* pd, const S*
                                acc[r]);
     }
   }
-  q4_offsets<R, S, 16>(pd, po, g, x, row, acc, out);
+  q4_offsets<R, Sc, 16>(sc, g, x, row, acc, out);
 }
 
 // ------------------------------------------------------------------------------------------------------- q8
 // Panel layout of q8 codes: [P/2 tiles][G blocks][8 groups][2 panels][8 columns][4 bytes]: group j holds inputs
 // 4j..4j+3 of 8 columns. Scales per tile and block: s [2][2][8], per half of the block (inputs 0..15, 16..31) the
 // two panels' 8 columns.
+//
+// Codes that fit 6 bits (GGUF's Q6_K: c in -32..31) are held as u = c + 32 in the q5 layout plus a second bit plane
+// (the "q6" kernels): 6.5 bits a weight to stream instead of 8. dot(c, xq) = dot(u, xq) - 32 sum(xq) per half block,
+// exactly, so they compute the q8 kernels' integers and then the same float operations: the same bits.
+// Q6_K's scales are factored as the K-quants' q4 scales are (an int8 per 16 inputs times a float per 256, exact).
 struct Q8Packed {
   int64_t n = 0, k = 0, g = 0, panels = 0;
   // int8 [P/2, G, 512]; float16 (when exact, as GGUF's Q8_0 scales are) or float32 [P/2, G, 32]
   torch::Tensor codes, s;
+  // six-bit codes (codes then undefined): low uint8 [P/2, G, 256] as q4's, planes uint8 [P/2, G, 128]: per tile and
+  // block the fifth bits (64 bytes, as q5's) then the sixth bits (laid out the same)
+  torch::Tensor low, planes;
+  // factored scales (s then undefined): sub int8 [P/2, G, 32] in s's layout, sd float32 [P/2, G/8, 16]
+  torch::Tensor sub, sd;
+  bool six() const { return low.defined(); }
+  bool factored() const { return sub.defined(); }
 };
 
 // qw int8 [N, K], s float32 [N, K/16] -> panels (padding columns: zero codes and scales)
@@ -377,39 +479,108 @@ inline Q8Packed pack_q8(const torch::Tensor& qw, const torch::Tensor& s) {
   p.k = qw.size(1);
   p.g = p.k / kBlock;
   p.panels = panel_count(p.n);
-  p.codes = torch::zeros({p.panels / kTile, p.g, 512}, torch::kChar);
   p.s = torch::zeros({p.panels / kTile, p.g, 4 * kPanel}, torch::kFloat);
-  const int8_t* src = qw.data_ptr<int8_t>();
   const float* ss = s.data_ptr<float>();
-  int8_t* dst = p.codes.data_ptr<int8_t>();
   float* ds = p.s.data_ptr<float>();
+  for (int64_t col = 0; col < p.n; ++col) {
+    const int64_t pi = col / kPanel, c = col % kPanel;
+    for (int64_t b = 0; b < p.g; ++b) {
+      float* sb = ds + panel_base(pi, p.g, 4 * kPanel, kPanel) + b * 4 * kPanel;
+      for (int h = 0; h < 2; ++h) sb[h * 2 * kPanel + c] = ss[col * (p.k / 16) + 2 * b + h];
+    }
+  }
+  p.s = compact_scales(p.s);
+  const bool six = qw.ge(-32).all().item<bool>() && qw.le(31).all().item<bool>();
+  if (six) {
+    const torch::Tensor u = (qw.to(torch::kShort) + 32).to(torch::kByte);  // [N, K], 0..63
+    const torch::Tensor half = u.view({p.n, p.g, 2, 16});
+    // GGUF's q4 byte layout: byte j of a block holds input j (low nibble) and j + 16 (high)
+    const torch::Tensor nib = (half.select(2, 0).bitwise_and(15) |
+                               half.select(2, 1).bitwise_and(15).bitwise_left_shift(4)).reshape({p.n, p.k / 2});
+    const torch::Tensor bit = torch::arange(8, torch::kByte);
+    auto bits = [&](int i) {  // bit i of every input -> [N, K/8], bit j of byte q = input 8q + j
+      return u.bitwise_right_shift(i).bitwise_and(1).view({p.n, p.k / 8, 8}).bitwise_left_shift(bit).sum(-1)
+          .to(torch::kByte).contiguous();
+    };
+    const torch::Tensor zero = torch::zeros({p.n, p.g}, torch::kFloat);
+    Q4Packed geometry = pack_q4(nib.contiguous(), zero, zero);
+    p.low = geometry.codes;
+    p.planes = torch::cat({pack_plane(bits(4), geometry), pack_plane(bits(5), geometry)}, 2).contiguous();
+    return p;
+  }
+  p.codes = torch::zeros({p.panels / kTile, p.g, 512}, torch::kChar);
+  const int8_t* src = qw.data_ptr<int8_t>();
+  int8_t* dst = p.codes.data_ptr<int8_t>();
   for (int64_t col = 0; col < p.n; ++col) {
     const int64_t pi = col / kPanel, c = col % kPanel;
     for (int64_t b = 0; b < p.g; ++b) {
       int8_t* out = dst + panel_base(pi, p.g, 512, 32) + b * 512;
       for (int j = 0; j < 8; ++j)
         for (int i = 0; i < 4; ++i) out[j * 64 + c * 4 + i] = src[col * p.k + b * kBlock + 4 * j + i];
-      float* sb = ds + panel_base(pi, p.g, 4 * kPanel, kPanel) + b * 4 * kPanel;
-      for (int h = 0; h < 2; ++h) sb[h * 2 * kPanel + c] = ss[col * (p.k / 16) + 2 * b + h];
     }
   }
-  p.s = compact_scales(p.s);
   return p;
 }
 
-// Block b of a q8 panel: ask for the weights kPrefetch bytes ahead.
+// p's scales held factored instead: sub int8 [N, K/16], sd float32 [N, K/256], checked by the caller to multiply
+// out to the float scales exactly (`make_qlin`)
+inline void factor_q8(Q8Packed& p, const torch::Tensor& sub, const torch::Tensor& sd) {
+  // sub [N, 2G] -> [N, G, 2] halves -> s's layout [P/2][G][half][2 panels][8]
+  const torch::Tensor lo = pack_columns(sub.view({p.n, p.g, 2}).select(2, 0), p.panels);
+  const torch::Tensor hi = pack_columns(sub.view({p.n, p.g, 2}).select(2, 1), p.panels);
+  p.sub = torch::cat({lo, hi}, 2).contiguous();
+  p.sd = pack_columns(sd, p.panels);
+  p.s = torch::Tensor();
+}
+
+// The scales of a q8 / q6 tile or panel at block b, per half block (lo: inputs 0..15, hi: 16..31), as floats ...
 template <typename S>
-inline void q8_prefetch(const int8_t* pc, const S* ps, int64_t b) {
+struct Q8Plain {
+  const S* s;
+  const void* ahead(int64_t b, int64_t bytes) const { return s + b * 4 * kPanel + bytes / 8; }
+  __m256 lo8(int64_t b) const { return load_scales(s + b * 4 * kPanel); }
+  __m256 hi8(int64_t b) const { return load_scales(s + b * 4 * kPanel + 2 * kPanel); }
+};
+
+inline __m256 i8_ps(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// ... or factored: D (per 256 inputs) times an int8 per half block
+struct Q8Factored {
+  const int8_t* sub;
+  const float* sd;
+  const void* ahead(int64_t b, int64_t bytes) const { return sub + b * 4 * kPanel + bytes / 16; }
+  __m256 lo8(int64_t b) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(sd + (b >> 3) * 2 * kPanel), i8_ps(sub + b * 4 * kPanel));
+  }
+  __m256 hi8(int64_t b) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(sd + (b >> 3) * 2 * kPanel), i8_ps(sub + b * 4 * kPanel + 2 * kPanel));
+  }
+};
+
+template <typename S>
+inline Q8Plain<S> q8_scales(const Q8Packed& w, int64_t pi, int64_t half) {
+  return {w.s.data_ptr<S>() + panel_base(pi, w.g, 4 * kPanel, half)};
+}
+inline Q8Factored q8_factored(const Q8Packed& w, int64_t pi, int64_t half) {
+  return {w.sub.data_ptr<int8_t>() + panel_base(pi, w.g, 4 * kPanel, half),
+          w.sd.data_ptr<float>() + panel_base(pi, w.g / 8, 2 * kPanel, half)};
+}
+
+// Block b of a q8 panel: ask for the weights kPrefetch bytes ahead.
+template <typename Sc>
+inline void q8_prefetch(const int8_t* pc, const Sc& sc, int64_t b) {
   for (int i = 0; i < 8; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(pc + b * 512 + kPrefetch + 64 * i), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(ps + b * 4 * kPanel + kPrefetch / 8), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetch)), _MM_HINT_T0);
 }
 
 // acc[r] += the integer dots of block b's halves (lo, hi) times their scales and row r's activation scale
-template <int R, typename S>
-inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const S* ps, int64_t b, const QuantRows& x,
+template <int R, typename Sc>
+inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const Sc& sc, int64_t b, const QuantRows& x,
                            int64_t row, __m256* acc) {
-  const __m256 slo = load_scales(ps + b * 4 * kPanel), shi = load_scales(ps + b * 4 * kPanel + 2 * kPanel);
+  const __m256 slo = sc.lo8(b), shi = sc.hi8(b);
   const float* dxr = x.scales(row, b);
   for (int r = 0; r < R; ++r) {
     const __m256 dxv = _mm256_set1_ps(dxr[r]);
@@ -420,15 +591,15 @@ inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const S* ps, in
 
 // R rows x one panel, q8: per block and half, s dx dot(c, xq). AVX2 multiplies unsigned by signed bytes, so the
 // codes enter as |c| and their signs move onto x; each pair sum <= 2 * 128 * 127 fits int16 before widening.
-template <int R, typename S>
-inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& x, int64_t row, __m256* out) {
+template <int R, typename Sc>
+inline void q8_panel(const int8_t* pc, const Sc& sc, int64_t g, const QuantRows& x, int64_t row, __m256* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
     __m256i lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    q8_prefetch(pc, ps, b);
+    q8_prefetch(pc, sc, b);
     const int8_t* xr = x.codes(row, b);
     // the halves in two loops, each unrolled: a test on j inside one loop kept it rolled and spilled accumulators
 #pragma GCC unroll 4
@@ -447,7 +618,68 @@ inline void q8_panel(const int8_t* pc, const S* ps, int64_t g, const QuantRows& 
         hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(
             _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
     }
-    q8_scale_block<R>(lo, hi, ps, b, x, row, acc);
+    q8_scale_block<R>(lo, hi, sc, b, x, row, acc);
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// Block b of a q6 panel unpacked into 8 registers of codes u in 0..63: q4's registers, the fifth bits of the first
+// plane and the sixth bits of the second (bit t of each byte moved to bit 5; the 16-bit shifts carry bits across
+// bytes only into other positions, as in fifth_bit).
+template <int T>
+inline __m256i sixth_bit(__m256i hb, __m256i m32) {
+  if constexpr (T < 5) return _mm256_and_si256(_mm256_slli_epi16(hb, 5 - T), m32);
+  else if constexpr (T == 5) return _mm256_and_si256(hb, m32);
+  else return _mm256_and_si256(_mm256_srli_epi16(hb, T - 5), m32);
+}
+
+template <typename Sc>
+inline void q6_block_codes(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t b, __m256i* w) {
+  q4_block_codes(pc, sc, b, w);
+  _mm_prefetch(reinterpret_cast<const char*>(ph + b * 128 + kPrefetch / 2), _MM_HINT_T0);
+  const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + b * 128));
+  const __m256i h6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + b * 128 + 64));
+  const __m256i m16 = _mm256_set1_epi8(0x10), m32 = _mm256_set1_epi8(0x20);
+  w[0] = _mm256_or_si256(w[0], _mm256_or_si256(fifth_bit<0>(h5, m16), sixth_bit<0>(h6, m32)));
+  w[1] = _mm256_or_si256(w[1], _mm256_or_si256(fifth_bit<1>(h5, m16), sixth_bit<1>(h6, m32)));
+  w[2] = _mm256_or_si256(w[2], _mm256_or_si256(fifth_bit<2>(h5, m16), sixth_bit<2>(h6, m32)));
+  w[3] = _mm256_or_si256(w[3], _mm256_or_si256(fifth_bit<3>(h5, m16), sixth_bit<3>(h6, m32)));
+  w[4] = _mm256_or_si256(w[4], _mm256_or_si256(fifth_bit<4>(h5, m16), sixth_bit<4>(h6, m32)));
+  w[5] = _mm256_or_si256(w[5], _mm256_or_si256(fifth_bit<5>(h5, m16), sixth_bit<5>(h6, m32)));
+  w[6] = _mm256_or_si256(w[6], _mm256_or_si256(fifth_bit<6>(h5, m16), sixth_bit<6>(h6, m32)));
+  w[7] = _mm256_or_si256(w[7], _mm256_or_si256(fifth_bit<7>(h5, m16), sixth_bit<7>(h6, m32)));
+}
+
+// R rows x one panel, q6: the q8 kernel's integers from unsigned codes (two maddubs pairs <= 2 * 2 * 63 * 127 fit
+// int16 before widening), then its float operations.
+template <int R, typename Sc>
+inline void q6_panel(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t g, const QuantRows& x, int64_t row,
+                     __m256* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    __m256i w[8];
+    q6_block_codes(pc, ph, sc, b, w);
+    const int8_t* xr = x.codes(row, b);
+    const int32_t* hs = x.hs.data() + 2 * (b * x.m + row);
+    __m256i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xr + r * kBlock;
+      const __m256i l0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xb)),
+                                          _mm256_maddubs_epi16(w[1], bcast4(xb + 4)));
+      const __m256i l1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xb + 8)),
+                                          _mm256_maddubs_epi16(w[3], bcast4(xb + 12)));
+      const __m256i h0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[4], bcast4(xb + 16)),
+                                          _mm256_maddubs_epi16(w[5], bcast4(xb + 20)));
+      const __m256i h1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[6], bcast4(xb + 24)),
+                                          _mm256_maddubs_epi16(w[7], bcast4(xb + 28)));
+      lo[r] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(l0, ones), _mm256_madd_epi16(l1, ones)),
+                               _mm256_set1_epi32(32 * hs[2 * r]));
+      hi[r] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(h0, ones), _mm256_madd_epi16(h1, ones)),
+                               _mm256_set1_epi32(32 * hs[2 * r + 1]));
+    }
+    q8_scale_block<R>(lo, hi, sc, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
@@ -502,10 +734,42 @@ BLOCKDRAFT_VNNI inline __m512i bcast4_512(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// the scale policies' values for a whole tile (16 columns)
+template <typename S>
+BLOCKDRAFT_VNNI inline __m512 d16(const Q45Plain<S>& sc, int64_t b) { return load_scales16(sc.d + b * 2 * kPanel); }
+template <typename S>
+BLOCKDRAFT_VNNI inline __m512 o16(const Q45Plain<S>& sc, int64_t b) { return load_scales16(sc.o + b * 2 * kPanel); }
+BLOCKDRAFT_VNNI inline __m512 u8_ps16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+BLOCKDRAFT_VNNI inline __m512 d16(const Q45Factored& sc, int64_t b) {
+  return _mm512_mul_ps(_mm512_loadu_ps(sc.sd + (b >> 3) * 2 * kPanel), u8_ps16(sc.sc + b * 2 * kPanel));
+}
+BLOCKDRAFT_VNNI inline __m512 o16(const Q45Factored& sc, int64_t b) {
+  const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc.mn + b * 2 * kPanel)));
+  return _mm512_mul_ps(_mm512_loadu_ps(sc.sm + (b >> 3) * 2 * kPanel),
+                       _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), mn)));
+}
+template <typename S>
+BLOCKDRAFT_VNNI inline __m512 lo16(const Q8Plain<S>& sc, int64_t b) { return load_scales16(sc.s + b * 4 * kPanel); }
+template <typename S>
+BLOCKDRAFT_VNNI inline __m512 hi16(const Q8Plain<S>& sc, int64_t b) {
+  return load_scales16(sc.s + b * 4 * kPanel + 2 * kPanel);
+}
+BLOCKDRAFT_VNNI inline __m512 i8_ps16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+BLOCKDRAFT_VNNI inline __m512 lo16(const Q8Factored& sc, int64_t b) {
+  return _mm512_mul_ps(_mm512_loadu_ps(sc.sd + (b >> 3) * 2 * kPanel), i8_ps16(sc.sub + b * 4 * kPanel));
+}
+BLOCKDRAFT_VNNI inline __m512 hi16(const Q8Factored& sc, int64_t b) {
+  return _mm512_mul_ps(_mm512_loadu_ps(sc.sd + (b >> 3) * 2 * kPanel), i8_ps16(sc.sub + b * 4 * kPanel + 2 * kPanel));
+}
+
 // R rows x one tile, q4 (ph null) or q5 (ph: its fifth bits): the codes are unsigned, so vpdpbusd takes them as they
 // are; the offsets pass centres them (at 8 or 16) as on AVX2. out[r]: the tile's 16 columns of row + r.
-template <int R, int Bits, typename S>
-BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, const S* pd, const S* po, int64_t g,
+template <int R, int Bits, typename Sc>
+BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t g,
                                           const QuantRows& x, int64_t row, __m512* out) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
   __m512 acc[R];
@@ -513,7 +777,7 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
   for (int64_t b = 0; b < g; ++b) {
     for (int i = 0; i < 4; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetchTile + 64 * i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pd + b * 2 * kPanel + kPrefetchTile / 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetchTile)), _MM_HINT_T0);
     __m512i w[8];
     for (int t = 0; t < 4; ++t) {
       const __m512i raw = load512(pc + b * 256 + t * 64);
@@ -532,7 +796,7 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
       w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(hb, 2), m16));
       w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(hb, 3), m16));
     }
-    const __m512 d16 = load_scales16(pd + b * 2 * kPanel);
+    const __m512 dv = d16(sc, b);
     const int8_t* xr = x.codes(row, b);
     const float* dxr = x.scales(row, b);
     for (int r = 0; r < R; ++r) {
@@ -545,7 +809,7 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
         s1 = _mm512_dpbusd_epi32(s1, w[j + 1], bcast4_512(xb + 4 * j + 4));
       }
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, _mm512_set1_ps(dxr[r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(dxr[r])), acc[r]);
     }
   }
   // the offset terms, a second pass: q4_offsets on 512-bit registers (a copy, not a shared template: the AVX2 one
@@ -556,21 +820,34 @@ BLOCKDRAFT_VNNI inline void q45_tile_vnni(const uint8_t* pc, const uint8_t* ph, 
   __m512 offp[R], offn[R];
   for (int r = 0; r < R; ++r) offp[r] = offn[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
-    const __m512 d16 = load_scales16(pd + b * 2 * kPanel);
-    const __m512 a16 = _mm512_fmadd_ps(centre, d16, load_scales16(po + b * 2 * kPanel));
+    const __m512 dv = d16(sc, b);
+    const __m512 a16 = _mm512_fmadd_ps(centre, dv, o16(sc, b));
     const float *xs = x.xs.data() + b * x.m + row, *dxs8 = x.dxs8.data() + b * x.m + row;
     for (int r = 0; r < R; ++r) {
       offp[r] = _mm512_fmadd_ps(a16, _mm512_set1_ps(xs[r]), offp[r]);
-      offn[r] = _mm512_fmadd_ps(d16, _mm512_set1_ps(times * dxs8[r]), offn[r]);
+      offn[r] = _mm512_fmadd_ps(dv, _mm512_set1_ps(times * dxs8[r]), offn[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(offp[r], offn[r]));
 }
 
+// acc[r] += the integer dots of block b's halves times their scales and row r's activation scale (q8_scale_block)
+template <int R, typename Sc>
+BLOCKDRAFT_VNNI inline void q8_scale_tile(const __m512i* lo, const __m512i* hi, const Sc& sc, int64_t b,
+                                          const QuantRows& x, int64_t row, __m512* acc) {
+  const __m512 slo = lo16(sc, b), shi = hi16(sc, b);
+  const float* dxr = x.scales(row, b);
+  for (int r = 0; r < R; ++r) {
+    const __m512 dxv = _mm512_set1_ps(dxr[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(slo, dxv), acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(shi, dxv), acc[r]);
+  }
+}
+
 // R rows x one tile, q8: per block and half, s dx dot(c, xq), as on AVX2 with |c| as unsigned bytes and the signs of
 // c moved onto x (negated where c < 0; where c == 0 the product is 0 either way).
-template <int R, typename S>
-BLOCKDRAFT_VNNI inline void q8_tile_vnni(const int8_t* pc, const S* ps, int64_t g, const QuantRows& x, int64_t row,
+template <int R, typename Sc>
+BLOCKDRAFT_VNNI inline void q8_tile_vnni(const int8_t* pc, const Sc& sc, int64_t g, const QuantRows& x, int64_t row,
                                          __m512* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -579,7 +856,7 @@ BLOCKDRAFT_VNNI inline void q8_tile_vnni(const int8_t* pc, const S* ps, int64_t 
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(pc + b * 512 + kPrefetchTile + 64 * i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ps + b * 4 * kPanel + kPrefetchTile / 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetchTile)), _MM_HINT_T0);
     const int8_t* xr = x.codes(row, b);
     // the halves in two unrolled loops (see q8_panel)
 #pragma GCC unroll 4
@@ -602,13 +879,64 @@ BLOCKDRAFT_VNNI inline void q8_tile_vnni(const int8_t* pc, const S* ps, int64_t 
         hi[r] = _mm512_dpbusd_epi32(hi[r], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
       }
     }
-    const __m512 slo = load_scales16(ps + b * 4 * kPanel), shi = load_scales16(ps + b * 4 * kPanel + 2 * kPanel);
-    const float* dxr = x.scales(row, b);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dxv = _mm512_set1_ps(dxr[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(slo, dxv), acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(shi, dxv), acc[r]);
+    q8_scale_tile<R>(lo, hi, sc, b, x, row, acc);
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// R rows x one tile, q6: unsigned codes u straight into vpdpbusd, per half block, less 32 sum(xq): q8's integers,
+// then its float operations (q8_scale_tile)
+template <int R, typename Sc>
+BLOCKDRAFT_VNNI inline void q6_tile_vnni(const uint8_t* pc, const uint8_t* ph, const Sc& sc, int64_t g,
+                                         const QuantRows& x, int64_t row, __m512* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10), m32 = _mm512_set1_epi8(0x20);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < g; ++b) {
+    for (int i = 0; i < 4; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(pc + b * 256 + kPrefetchTile + 64 * i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ph + b * 128 + kPrefetchTile / 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ph + b * 128 + 64 + kPrefetchTile / 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetchTile)), _MM_HINT_T0);
+    __m512i w[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m512i raw = load512(pc + b * 256 + t * 64);
+      w[t] = _mm512_and_si512(raw, m4);
+      w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
     }
+    const __m512i h5 = load512(ph + b * 128), h6 = load512(ph + b * 128 + 64);
+    // bit t of each byte to bit 4 (first plane) and bit 5 (second), as q6_block_codes
+    w[0] = _mm512_or_si512(w[0], _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h5, 4), m16),
+                                                 _mm512_and_si512(_mm512_slli_epi16(h6, 5), m32)));
+    w[1] = _mm512_or_si512(w[1], _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h5, 3), m16),
+                                                 _mm512_and_si512(_mm512_slli_epi16(h6, 4), m32)));
+    w[2] = _mm512_or_si512(w[2], _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h5, 2), m16),
+                                                 _mm512_and_si512(_mm512_slli_epi16(h6, 3), m32)));
+    w[3] = _mm512_or_si512(w[3], _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h5, 1), m16),
+                                                 _mm512_and_si512(_mm512_slli_epi16(h6, 2), m32)));
+    w[4] = _mm512_or_si512(w[4], _mm512_or_si512(_mm512_and_si512(h5, m16),
+                                                 _mm512_and_si512(_mm512_slli_epi16(h6, 1), m32)));
+    w[5] = _mm512_or_si512(w[5], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(h5, 1), m16),
+                                                 _mm512_and_si512(h6, m32)));
+    w[6] = _mm512_or_si512(w[6], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(h5, 2), m16),
+                                                 _mm512_and_si512(_mm512_srli_epi16(h6, 1), m32)));
+    w[7] = _mm512_or_si512(w[7], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(h5, 3), m16),
+                                                 _mm512_and_si512(_mm512_srli_epi16(h6, 2), m32)));
+    const int8_t* xr = x.codes(row, b);
+    const int32_t* hs = x.hs.data() + 2 * (b * x.m + row);
+    __m512i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xr + r * kBlock;
+      __m512i l = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * hs[2 * r]), w[0], bcast4_512(xb));
+      __m512i h = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * hs[2 * r + 1]), w[4], bcast4_512(xb + 16));
+      for (int j = 1; j < 4; ++j) {
+        l = _mm512_dpbusd_epi32(l, w[j], bcast4_512(xb + 4 * j));
+        h = _mm512_dpbusd_epi32(h, w[j + 4], bcast4_512(xb + 16 + 4 * j));
+      }
+      lo[r] = l;
+      hi[r] = h;
+    }
+    q8_scale_tile<R>(lo, hi, sc, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
@@ -629,38 +957,40 @@ BLOCKDRAFT_VNNI inline void store_tile(const __m512& v, const float* bias, int64
   for (int64_t c = 0; c < cols; ++c) y[col + c] = static_cast<U>(tmp[c] + (bias ? bias[col + c] : 0.f));
 }
 
-// One tile x R rows on the VNNI kernels (Bits: 4, 5 or 8; high: q5's fifth bits, else null)
-template <int Bits, int R, typename S>
-BLOCKDRAFT_VNNI inline void tile_vnni(const uint8_t* codes, const uint8_t* high, const S* s0, const S* s1, int64_t g,
+// One tile x R rows on the VNNI kernels (Bits: 4, 5, 6 or 8; high: q5's fifth bits or q6's planes, else null)
+template <int Bits, int R, typename Sc>
+BLOCKDRAFT_VNNI inline void tile_vnni(const uint8_t* codes, const uint8_t* high, const Sc& sc, int64_t g,
                                       const QuantRows& x, int64_t row, __m512* out) {
-  if constexpr (Bits == 8) q8_tile_vnni<R>(reinterpret_cast<const int8_t*>(codes), s0, g, x, row, out);
-  else q45_tile_vnni<R, Bits>(codes, high, s0, s1, g, x, row, out);
+  if constexpr (Bits == 8) q8_tile_vnni<R>(reinterpret_cast<const int8_t*>(codes), sc, g, x, row, out);
+  else if constexpr (Bits == 6) q6_tile_vnni<R>(codes, high, sc, g, x, row, out);
+  else q45_tile_vnni<R, Bits>(codes, high, sc, g, x, row, out);
 }
 
 // tiles [begin, end) of y = x W^T + bias on the VNNI kernels, rows in groups of up to kGroupRowsVnni; per tile and
-// block: tile_bytes of codes, 64 bytes of fifth bits (q5), tile_scales scales (and as many offsets, q4 / q5)
-template <int Bits, typename S, typename U>
-BLOCKDRAFT_VNNI void tiles_vnni(const QuantRows& x, const uint8_t* codes, int64_t tile_bytes, const uint8_t* high,
-                                const S* s0, const S* s1, int64_t tile_scales, int64_t g, int64_t n,
-                                const float* bias, U* y, int64_t begin, int64_t end) {
+// block: `unit` bytes of codes and `hunit` of high bits (q5, q6); scales_of(ti): tile ti's scales. Row r of y
+// starts at y + r * ldy (a part of a stacked linear writes its columns of a wider row).
+template <int Bits, typename ScalesOf, typename U>
+BLOCKDRAFT_VNNI void tiles_vnni(const QuantRows& x, const uint8_t* codes, int64_t unit, const uint8_t* high,
+                                int64_t hunit, const ScalesOf& scales_of, int64_t g, int64_t n, const float* bias, U* y,
+                                int64_t ldy, int64_t begin, int64_t end) {
   __m512 out[kGroupRowsVnni];
   for (int64_t ti = begin; ti < end; ++ti) {
-    const uint8_t* pc = codes + ti * g * tile_bytes;
-    const uint8_t* ph = high != nullptr ? high + ti * g * 64 : nullptr;
-    const S *a = s0 + ti * g * tile_scales, *o = s1 != nullptr ? s1 + ti * g * tile_scales : nullptr;
+    const uint8_t* pc = codes + ti * g * unit;
+    const uint8_t* ph = high != nullptr ? high + ti * g * hunit : nullptr;
+    const auto sc = scales_of(ti);
     for (int64_t r = 0; r < x.m;) {
       const int64_t rows = std::min<int64_t>(kGroupRowsVnni, x.m - r);
       switch (rows) {
-        case 8: tile_vnni<Bits, 8>(pc, ph, a, o, g, x, r, out); break;
-        case 7: tile_vnni<Bits, 7>(pc, ph, a, o, g, x, r, out); break;
-        case 6: tile_vnni<Bits, 6>(pc, ph, a, o, g, x, r, out); break;
-        case 5: tile_vnni<Bits, 5>(pc, ph, a, o, g, x, r, out); break;
-        case 4: tile_vnni<Bits, 4>(pc, ph, a, o, g, x, r, out); break;
-        case 3: tile_vnni<Bits, 3>(pc, ph, a, o, g, x, r, out); break;
-        case 2: tile_vnni<Bits, 2>(pc, ph, a, o, g, x, r, out); break;
-        default: tile_vnni<Bits, 1>(pc, ph, a, o, g, x, r, out); break;
+        case 8: tile_vnni<Bits, 8>(pc, ph, sc, g, x, r, out); break;
+        case 7: tile_vnni<Bits, 7>(pc, ph, sc, g, x, r, out); break;
+        case 6: tile_vnni<Bits, 6>(pc, ph, sc, g, x, r, out); break;
+        case 5: tile_vnni<Bits, 5>(pc, ph, sc, g, x, r, out); break;
+        case 4: tile_vnni<Bits, 4>(pc, ph, sc, g, x, r, out); break;
+        case 3: tile_vnni<Bits, 3>(pc, ph, sc, g, x, r, out); break;
+        case 2: tile_vnni<Bits, 2>(pc, ph, sc, g, x, r, out); break;
+        default: tile_vnni<Bits, 1>(pc, ph, sc, g, x, r, out); break;
       }
-      for (int64_t i = 0; i < rows; ++i) store_tile(out[i], bias, ti * kTile * kPanel, n, y + (r + i) * n);
+      for (int64_t i = 0; i < rows; ++i) store_tile(out[i], bias, ti * kTile * kPanel, n, y + (r + i) * ldy);
       r += rows;
     }
   }
@@ -674,7 +1004,7 @@ constexpr int64_t kGroupRows = 4;
 
 // rows in groups of up to kGroupRows through one panel kernel (Kernel: a callable template on the group size)
 template <typename U, typename Kernel>
-inline void panel_rows(int64_t m, int64_t pi, int64_t n, const float* bias, U* y, Kernel&& kernel) {
+inline void panel_rows(int64_t m, int64_t pi, int64_t n, const float* bias, U* y, int64_t ldy, Kernel&& kernel) {
   __m256 out[kGroupRows];
   for (int64_t r = 0; r < m;) {
     const int64_t rows = std::min<int64_t>(kGroupRows, m - r);
@@ -684,7 +1014,7 @@ inline void panel_rows(int64_t m, int64_t pi, int64_t n, const float* bias, U* y
       case 2: kernel(std::integral_constant<int, 2>{}, r, out); break;
       default: kernel(std::integral_constant<int, 1>{}, r, out); break;
     }
-    for (int64_t i = 0; i < rows; ++i) store_panel(out[i], bias, pi * kPanel, n, y + (r + i) * n);
+    for (int64_t i = 0; i < rows; ++i) store_panel(out[i], bias, pi * kPanel, n, y + (r + i) * ldy);
     r += rows;
   }
 }
@@ -718,69 +1048,76 @@ inline int64_t chunk_units(int64_t unit_bytes) {
   return std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(unit_bytes, 1));
 }
 
-// the 4-bit (high null) or 5-bit (high: the fifth bits, uint8 [P, G, 32]) products over w's panels
-template <int Bits, typename S, typename U>
-inline void q45_panels(const QuantRows& xr, const Q4Packed& w, const uint8_t* high, const float* bias, U* y) {
-  const uint8_t* codes = w.codes.data_ptr<uint8_t>();
-  const S *d = w.d.data_ptr<S>(), *o = w.o.data_ptr<S>();
+// y [M, N] (rows ldy apart) = x W^T + bias for one family of kernels (Bits 4, 5, 6 or 8) over `panels` panels:
+// `unit` bytes of codes and `hunit` of high bits per tile and block; scales_of(pi, half): the scales of panel pi
+// (half 0: of the whole tile pi / 2, for the VNNI kernels; kPanel: of the one panel, for AVX2).
+template <int Bits, typename U, typename ScalesOf>
+inline void products(const QuantRows& xr, int64_t panels, int64_t g, int64_t n, const uint8_t* codes, int64_t unit,
+                     const uint8_t* high, int64_t hunit, const ScalesOf& scales_of, const float* bias, U* y,
+                     int64_t ldy) {
   if (kernel_isa() == Isa::kVnni) {
-    parallel_chunks(w.panels / kTile, chunk_units(w.g * (Bits == 5 ? 320 : 256)), [&](int64_t begin, int64_t end) {
-      tiles_vnni<Bits>(xr, codes, 256, high, d, o, 2 * kPanel, w.g, w.n, bias, y, begin, end);
+    parallel_chunks(panels / kTile, chunk_units(g * (unit + hunit)), [&](int64_t begin, int64_t end) {
+      tiles_vnni<Bits>(xr, codes, unit, high, hunit, [&](int64_t ti) { return scales_of(kTile * ti, 0); }, g, n,
+                       bias, y, ldy, begin, end);
     });
     return;
   }
-  parallel_chunks(w.panels, chunk_units(w.g * (Bits == 5 ? 160 : 128)), [&](int64_t begin, int64_t end) {
-    for (int64_t pi = begin; pi < end; ++pi)
-      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
-        const uint8_t* pc = codes + panel_base(pi, w.g, 256, 32);
-        const S *pd = d + panel_base(pi, w.g, 2 * kPanel, kPanel), *po = o + panel_base(pi, w.g, 2 * kPanel, kPanel);
-        if constexpr (Bits == 5)
-          q5_panel<decltype(rows)::value>(pc, high + panel_base(pi, w.g, 64, 32), pd, po, w.g, xr, r, out);
-        else q4_panel<decltype(rows)::value>(pc, pd, po, w.g, xr, r, out);
+  parallel_chunks(panels, chunk_units(g * (unit + hunit) / kTile), [&](int64_t begin, int64_t end) {
+    for (int64_t pi = begin; pi < end; ++pi) {
+      const auto sc = scales_of(pi, kPanel);
+      const uint8_t* pc = codes + panel_base(pi, g, unit, 32);
+      const uint8_t* ph = high != nullptr ? high + panel_base(pi, g, hunit, 32) : nullptr;
+      panel_rows(xr.m, pi, n, bias, y, ldy, [&](auto rows, int64_t r, __m256* out) {
+        constexpr int R = decltype(rows)::value;
+        if constexpr (Bits == 8) q8_panel<R>(reinterpret_cast<const int8_t*>(pc), sc, g, xr, r, out);
+        else if constexpr (Bits == 6) q6_panel<R>(pc, ph, sc, g, xr, r, out);
+        else if constexpr (Bits == 5) q5_panel<R>(pc, ph, sc, g, xr, r, out);
+        else q4_panel<R>(pc, sc, g, xr, r, out);
       });
+    }
   });
 }
 
-// y [M, N] (U) = x [M, K] (T) W^T + bias, 4-bit (high null) or 5-bit codes
-template <int Bits, typename T, typename U>
-inline void q45_mm(const T* x, int64_t m, const Q4Packed& w, const uint8_t* high, const float* bias, U* y) {
-  const QuantRows xr(x, m, w.k);
-  if (w.d.scalar_type() == at::kHalf) q45_panels<Bits, at::Half>(xr, w, high, bias, y);
-  else q45_panels<Bits, float>(xr, w, high, bias, y);
+// the 4-bit (high null) or 5-bit (high: the fifth bits, uint8 [P/2, G, 64]) products over w's panels
+template <typename U>
+inline void q45_products(const QuantRows& xr, const Q4Packed& w, const uint8_t* high, const float* bias, U* y,
+                         int64_t ldy) {
+  auto run = [&](auto scales_of) {
+    const uint8_t* codes = w.codes.data_ptr<uint8_t>();
+    if (high != nullptr) products<5>(xr, w.panels, w.g, w.n, codes, 256, high, 64, scales_of, bias, y, ldy);
+    else products<4>(xr, w.panels, w.g, w.n, codes, 256, nullptr, 0, scales_of, bias, y, ldy);
+  };
+  if (w.factored()) run([&](int64_t pi, int64_t half) { return q45_factored(w, pi, half); });
+  else if (w.d.scalar_type() == at::kHalf)
+    run([&](int64_t pi, int64_t half) { return q45_scales<at::Half>(w, pi, half); });
+  else run([&](int64_t pi, int64_t half) { return q45_scales<float>(w, pi, half); });
 }
 
-template <typename S, typename U>
-inline void q8_panels(const QuantRows& xr, const Q8Packed& w, const float* bias, U* y) {
-  const int8_t* codes = w.codes.data_ptr<int8_t>();
-  const S* s = w.s.data_ptr<S>();
-  if (kernel_isa() == Isa::kVnni) {
-    parallel_chunks(w.panels / kTile, chunk_units(w.g * 512), [&](int64_t begin, int64_t end) {
-      tiles_vnni<8>(xr, reinterpret_cast<const uint8_t*>(codes), 512, nullptr, s, static_cast<const S*>(nullptr),
-                    4 * kPanel, w.g, w.n, bias, y, begin, end);
-    });
-    return;
-  }
-  parallel_chunks(w.panels, chunk_units(w.g * 256), [&](int64_t begin, int64_t end) {
-    for (int64_t pi = begin; pi < end; ++pi)
-      panel_rows(xr.m, pi, w.n, bias, y, [&](auto rows, int64_t r, __m256* out) {
-        q8_panel<decltype(rows)::value>(codes + panel_base(pi, w.g, 512, 32),
-                                        s + panel_base(pi, w.g, 4 * kPanel, kPanel), w.g, xr, r, out);
-      });
-  });
-}
-
-template <typename T, typename U>
-inline void q8_mm(const T* x, int64_t m, const Q8Packed& w, const float* bias, U* y) {
-  const QuantRows xr(x, m, w.k);
-  if (w.s.scalar_type() == at::kHalf) q8_panels<at::Half>(xr, w, bias, y);
-  else q8_panels<float>(xr, w, bias, y);
+// the 8-bit or 6-bit products over w's panels
+template <typename U>
+inline void q8_products(const QuantRows& xr, const Q8Packed& w, const float* bias, U* y, int64_t ldy) {
+  auto run = [&](auto scales_of) {
+    if (w.six())
+      products<6>(xr, w.panels, w.g, w.n, w.low.data_ptr<uint8_t>(), 256, w.planes.data_ptr<uint8_t>(), 128,
+                  scales_of, bias, y, ldy);
+    else
+      products<8>(xr, w.panels, w.g, w.n, reinterpret_cast<const uint8_t*>(w.codes.data_ptr<int8_t>()), 512,
+                  nullptr, 0, scales_of, bias, y, ldy);
+  };
+  if (w.factored()) run([&](int64_t pi, int64_t half) { return q8_factored(w, pi, half); });
+  else if (w.s.scalar_type() == at::kHalf)
+    run([&](int64_t pi, int64_t half) { return q8_scales<at::Half>(w, pi, half); });
+  else run([&](int64_t pi, int64_t half) { return q8_scales<float>(w, pi, half); });
 }
 
 }  // namespace blockdraft
 
 namespace blockdraft {
 
-// One quantized linear as the kernels hold it: packed weights and an optional float32 bias.
+// One quantized linear as the kernels hold it: packed weights and an optional float32 bias; or a stack of such
+// linears over the same input (`parts`, their outputs side by side: a fused q/k/v whose parts come in different
+// formats, GGUF's Q4_K q and k beside a Q6_K v), the activations quantized once for all of them. Each part computes
+// its columns exactly as it would alone.
 struct QLin {
   int bits = 0;
   int64_t n = 0, k = 0;
@@ -788,25 +1125,87 @@ struct QLin {
   Q5Packed q5;
   Q8Packed q8;
   torch::Tensor bias;
+  std::vector<QLin> parts;
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  // bits per stored scale: 16 / 32 (floats), 8 (factored K-quant scales); a stack: its widest part's
   int scale_bits() const {
+    if (!parts.empty()) {
+      int b = 0;
+      for (const QLin& p : parts) b = std::max(b, p.scale_bits());
+      return b;
+    }
+    if (bits == 8 ? q8.factored() : (bits == 4 ? q4 : q5.low).factored()) return 8;
     return (bits == 4 ? q4.d : bits == 5 ? q5.low.d : q8.s).scalar_type() == at::kHalf ? 16 : 32;
+  }
+  // the kernel family: "q4", "q5", "q6" (6-bit codes in the q8 format) or "q8"; a stack: its parts', joined by "+"
+  std::string layout() const {
+    if (!parts.empty()) {
+      std::string out;
+      for (const QLin& p : parts) out += (out.empty() ? "" : "+") + p.layout();
+      return out;
+    }
+    return bits == 8 ? (q8.six() ? "q6" : "q8") : bits == 4 ? "q4" : "q5";
+  }
+  // the bytes a product streams: codes, high bits and scales (the bias aside)
+  int64_t weight_bytes() const {
+    int64_t total = 0;
+    for (const QLin& p : parts) total += p.weight_bytes();
+    for (const torch::Tensor* t : {&q4.codes, &q4.d, &q4.o, &q4.sc, &q4.mn, &q4.sd, &q4.sm, &q5.low.codes, &q5.low.d,
+                                   &q5.low.o, &q5.low.sc, &q5.low.mn, &q5.low.sd, &q5.low.sm, &q5.high, &q8.codes,
+                                   &q8.s, &q8.low, &q8.planes, &q8.sub, &q8.sd})
+      if (t->defined()) total += t->nbytes();
+    return total;
   }
 
   // y [m, n] = x [m, k] W^T + b
   template <typename T, typename U>
   void apply(const T* x, int64_t m, U* y) const {
-    if (bits == 4) q45_mm<4>(x, m, q4, nullptr, bias_ptr(), y);
-    else if (bits == 5) q45_mm<5>(x, m, q5.low, q5.high.data_ptr<uint8_t>(), bias_ptr(), y);
-    else q8_mm(x, m, q8, bias_ptr(), y);
+    const QuantRows xr(x, m, k);
+    apply_rows(xr, y, n);
+  }
+
+  // the same from activations already quantized, row r of y at y + r * ldy
+  template <typename U>
+  void apply_rows(const QuantRows& xr, U* y, int64_t ldy) const {
+    if (!parts.empty()) {
+      int64_t col = 0;
+      for (const QLin& p : parts) {
+        p.apply_rows(xr, y + col, ldy);
+        col += p.n;
+      }
+      return;
+    }
+    if (bits == 4) q45_products(xr, q4, nullptr, bias_ptr(), y, ldy);
+    else if (bits == 5) q45_products(xr, q5.low, q5.high.data_ptr<uint8_t>(), bias_ptr(), y, ldy);
+    else q8_products(xr, q8, bias_ptr(), y, ldy);
   }
 };
 
+// parts stacked along the output (see QLin): one input width, outputs side by side in order
+inline QLin stack_qlin(const std::vector<QLin>& parts) {
+  TORCH_CHECK(parts.size() >= 2, "a stack needs at least two parts");
+  QLin q;
+  q.k = parts[0].k;
+  for (const QLin& p : parts) {
+    TORCH_CHECK(p.k == q.k, "stacked parts must share the input width: ", p.k, " != ", q.k);
+    q.n += p.n;
+  }
+  q.bits = parts[0].bits;
+  q.parts = parts;
+  return q;
+}
+
 // bits 4: codes uint8 [N, K/2], scale / offset float32 [N, K/32]; bits 5: the same plus high uint8 [N, K/8] (the
 // fifth bits); bits 8: codes int8 [N, K], scale float32 [N, K/16]; bias float32-convertible [N] or none
+// Factored scales (GGUF's K-quants, see Q4Packed and Q8Packed), optional: bits 4 / 5: sub and sub_min uint8
+// [N, K/32], super_scale and super_min float32 [N, K/256] with scale = super_scale * sub and offset =
+// -(super_min * sub_min) per block; bits 8: sub int8 [N, K/16] and super_scale [N, K/256] with scale = super_scale *
+// sub. They must multiply out to scale (and offset) exactly in float32: that is what gives the float layout's bits.
 inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c10::optional<torch::Tensor> offset,
-                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> high) {
+                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> high,
+                      c10::optional<torch::Tensor> sub, c10::optional<torch::Tensor> sub_min,
+                      c10::optional<torch::Tensor> super_scale, c10::optional<torch::Tensor> super_min) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "codes must be a 2-d CPU tensor");
   QLin q;
@@ -843,6 +1242,35 @@ inline QLin make_qlin(int64_t bits, torch::Tensor codes, torch::Tensor scale, c1
   } else {
     TORCH_CHECK(c.scalar_type() == at::kChar, "8-bit codes must be int8 [N, K]");
     q.q8 = pack_q8(c, s);
+  }
+  const bool factored = sub.has_value() && sub->defined();
+  TORCH_CHECK(factored == (super_scale.has_value() && super_scale->defined()),
+              "factored scales need both sub and super_scale");
+  if (factored) {
+    TORCH_CHECK(q.k % 256 == 0, "factored scales need K to be a multiple of 256, got ", q.k);
+    const int64_t per = bits == 8 ? 16 : 8;  // sub-scales per super-block of 256 inputs
+    auto check = [&](const torch::Tensor& t, at::ScalarType dtype, int64_t cols, const char* name) {
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == q.n &&
+                  t.size(1) == cols, name, " must be a ", dtype, " CPU tensor [", q.n, ", ", cols, "], got ",
+                  t.scalar_type(), " ", t.sizes());
+    };
+    check(*sub, bits == 8 ? at::kChar : at::kByte, groups, "sub");
+    check(*super_scale, at::kFloat, q.k / 256, "super_scale");
+    const torch::Tensor sup = super_scale->contiguous(), sb = sub->contiguous();
+    TORCH_CHECK(torch::equal(sup.repeat_interleave(per, 1) * sb.to(torch::kFloat), s),
+                "the factored scales do not multiply out to scale exactly");
+    if (bits == 8) {
+      factor_q8(q.q8, sb, sup);
+    } else {
+      TORCH_CHECK(sub_min.has_value() && sub_min->defined() && super_min.has_value() && super_min->defined(),
+                  bits, "-bit factored scales need sub_min and super_min");
+      check(*sub_min, at::kByte, groups, "sub_min");
+      check(*super_min, at::kFloat, q.k / 256, "super_min");
+      const torch::Tensor smin = super_min->contiguous(), mn = sub_min->contiguous();
+      TORCH_CHECK(torch::equal(-(smin.repeat_interleave(per, 1) * mn.to(torch::kFloat)), offset->to(torch::kFloat)),
+                  "the factored offsets do not multiply out to offset exactly");
+      factor_q4(bits == 4 ? q.q4 : q.q5.low, sb, mn, sup, smin);
+    }
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->is_floating_point() && bias->dim() == 1 && bias->size(0) == q.n,

@@ -1,5 +1,5 @@
-"""The quantized weight formats (Q4 / Q5 / Q8 blocks of 32 inputs), packing, quantizing float weights, and fusing
-weights of different kinds (see the package docstring)."""
+"""The quantized weight formats (Q4 / Q5 / Q8 blocks of 32 inputs), GGUF's K-quant scales kept factored, packing,
+quantizing float weights, and fusing weights of different kinds (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,53 @@ WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
+class Factored:
+    """A weight's block scales as GGUF's K-quants hold them: an integer per block times a float per super-block of
+    256 inputs. Q4 / Q5: scale = d * sub and offset = -(dmin * sub_min) per block of 32 (sub, sub_min uint8
+    [N, K/32]); Q8 (from Q6_K): scale = d * sub per 16 inputs (sub int8 [N, K/16]); d, dmin float32 [N, K/256].
+    The products are exact in float32, so the weight's `scale` / `offset` are these products; the kernels stream a
+    byte per block instead of a float (`csrc/qlinear.h`)."""
+
+    d: torch.Tensor
+    sub: torch.Tensor
+    dmin: torch.Tensor | None = None
+    sub_min: torch.Tensor | None = None
+
+    def per(self) -> int:
+        """sub-scales per super-block"""
+        return self.sub.shape[1] // self.d.shape[1]
+
+    def scale(self) -> torch.Tensor:
+        return self.d.repeat_interleave(self.per(), dim=1) * self.sub.float()
+
+    def offset(self) -> torch.Tensor:
+        assert self.dmin is not None and self.sub_min is not None, "a Q8 weight's factored scales have no offset"
+        return -(self.dmin.repeat_interleave(self.per(), dim=1) * self.sub_min.float())
+
+    def select(self, rows: torch.Tensor) -> "Factored":
+        return Factored(*(None if t is None else t[rows].contiguous() for t in (self.d, self.sub, self.dmin,
+                                                                                 self.sub_min)))
+
+    @staticmethod
+    def cat(fs: "list[Factored | None]") -> "Factored | None":
+        """Stacked along the output; None unless every part has them."""
+        if any(f is None for f in fs):
+            return None
+        fields = [[getattr(f, n) for f in fs] for n in ("d", "sub", "dmin", "sub_min")]
+        return Factored(*(None if any(t is None for t in ts) else torch.cat(ts) for ts in fields))
+
+
+def _check_factored(f: Factored | None, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
+    """f, when given, must multiply out to the weight's scales exactly: the kernels use f instead of them."""
+    if f is None:
+        return
+    assert scale.shape[1] % f.d.shape[1] == 0 and f.sub.shape == scale.shape, "factored scales of the wrong shape"
+    assert torch.equal(f.scale(), scale), "factored scales do not multiply out to the scales"
+    if offset is not None:
+        assert torch.equal(f.offset(), offset), "factored offsets do not multiply out to the offsets"
+
+
+@dataclass(frozen=True)
 class Q4Weight:
     """w [N, K] = scale * code + offset per block of 32 inputs.
     codes uint8 [N, K/2]: byte j of a block holds input j in its low nibble and input j + 16 in its high nibble;
@@ -20,9 +67,11 @@ class Q4Weight:
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    factored: Factored | None = None
 
     def __post_init__(self) -> None:
         _check_nibble_blocks(self.codes, self.scale, self.offset)
+        _check_factored(self.factored, self.scale, self.offset)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -38,7 +87,8 @@ class Q4Weight:
         return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
 
     def select(self, rows: torch.Tensor) -> "Q4Weight":
-        return Q4Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(), self.offset[rows].contiguous())
+        return Q4Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(), self.offset[rows].contiguous(),
+                        None if self.factored is None else self.factored.select(rows))
 
 
 def _check_nibble_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]:
@@ -75,11 +125,13 @@ class Q5Weight:
     high: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    factored: Factored | None = None
 
     def __post_init__(self) -> None:
         n, g = _check_nibble_blocks(self.codes, self.scale, self.offset)
         assert self.high.dtype == torch.uint8 and tuple(self.high.shape) == (n, 4 * g), (
             f"high must be uint8 [N, K/8] = [{n}, {4 * g}], got {tuple(self.high.shape)}")
+        _check_factored(self.factored, self.scale, self.offset)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,7 +147,8 @@ class Q5Weight:
         return (self.scale[..., None] * self.unpacked().float() + self.offset[..., None]).view(n, k)
 
     def select(self, rows: torch.Tensor) -> "Q5Weight":
-        return Q5Weight(*(getattr(self, f)[rows].contiguous() for f in ("codes", "high", "scale", "offset")))
+        return Q5Weight(*(getattr(self, f)[rows].contiguous() for f in ("codes", "high", "scale", "offset")),
+                        None if self.factored is None else self.factored.select(rows))
 
 
 @dataclass(frozen=True)
@@ -104,12 +157,14 @@ class Q8Weight:
 
     codes: torch.Tensor
     scale: torch.Tensor
+    factored: Factored | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
         assert self.codes.dtype == torch.int8 and k % BLOCK == 0, "codes must be int8 [N, K] with K % 32 == 0"
         assert self.scale.shape == (n, k // 16), (
             f"scale must be [N, K/16] = [{n}, {k // 16}]: {tuple(self.scale.shape)}")
+        _check_factored(self.factored, self.scale, None)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,14 +175,38 @@ class Q8Weight:
         return (self.codes.view(n, k // 16, 16).float() * self.scale[..., None]).view(n, k)
 
     def select(self, rows: torch.Tensor) -> "Q8Weight":
-        return Q8Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous())
+        return Q8Weight(self.codes[rows].contiguous(), self.scale[rows].contiguous(),
+                        None if self.factored is None else self.factored.select(rows))
 
 
-QWeight = Q4Weight | Q5Weight | Q8Weight
+@dataclass(frozen=True)
+class Stacked:
+    """A fused linear (q/k/v, gate/up) whose parts no one format holds exactly (GGUF's Q4_K q and k beside a Q6_K
+    v): the parts side by side along the output, each in its own format. The kernels quantize the input once and
+    run each part's own kernel into its columns, so each part computes what it would alone."""
+
+    parts: tuple
+
+    def __post_init__(self) -> None:
+        assert len(self.parts) >= 2 and len({p.shape[1] for p in self.parts}) == 1, (
+            "a stack needs two or more parts of one input width")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """-> w [N, K] float32"""
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+QWeight = Q4Weight | Q5Weight | Q8Weight | Stacked
 
 
 def bits_of(w: QWeight) -> int:
-    """The kernels' name for a weight's format: 4, 5 or 8."""
+    """The kernels' name for a weight's format: 4, 5 or 8 (a stack: its widest part's)."""
+    if isinstance(w, Stacked):
+        return max(bits_of(p) for p in w.parts)
     return 4 if isinstance(w, Q4Weight) else 5 if isinstance(w, Q5Weight) else 8
 
 
@@ -183,12 +262,14 @@ def quantize_q8(w: torch.Tensor) -> Q8Weight:
 
 
 def concat(ws: list[QWeight]) -> QWeight:
-    """Stack weights of one kind along the output dimension (fused q/k/v, gate/up)."""
+    """Stack weights of one kind along the output dimension (fused q/k/v, gate/up); factored scales are kept where
+    every part has them."""
     kinds = {type(w) for w in ws}
     assert len(kinds) == 1 and len({w.shape[1] for w in ws}) == 1, "concat needs one kind and one input width"
     fields = {Q4Weight: ("codes", "scale", "offset"), Q5Weight: ("codes", "high", "scale", "offset"),
               Q8Weight: ("codes", "scale")}[type(ws[0])]
-    return type(ws[0])(*(torch.cat([getattr(w, f) for w in ws]) for f in fields))
+    return type(ws[0])(*(torch.cat([getattr(w, f) for w in ws]) for f in fields),
+                       Factored.cat([w.factored for w in ws]))
 
 
 def as_kind(w: QWeight, kind: type) -> QWeight | None:
@@ -198,7 +279,8 @@ def as_kind(w: QWeight, kind: type) -> QWeight | None:
     if isinstance(w, kind):
         return w
     if isinstance(w, Q4Weight) and kind is Q5Weight:
-        return Q5Weight(w.codes, torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint8), w.scale, w.offset)
+        return Q5Weight(w.codes, torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint8), w.scale, w.offset,
+                        w.factored)
     if isinstance(w, (Q4Weight, Q5Weight)) and kind is Q8Weight:
         centre = 8 if isinstance(w, Q4Weight) else 16
         if not torch.equal(w.offset, -centre * w.scale):
@@ -208,9 +290,25 @@ def as_kind(w: QWeight, kind: type) -> QWeight | None:
     return None
 
 
-def fuse(ws: list[QWeight]) -> QWeight | None:
+def fuse(ws: list[QWeight]) -> QWeight:
     """Stack the parts of a fused linear along the output in the narrowest format that holds every part exactly
-    (4 < 5 < 8 bits), or None where none does (a Q4_1 part beside a Q8_0 one)."""
+    (4 < 5 < 8 bits), or, where none does (a Q4_K part beside a Q6_K one), as a `Stacked` of the parts in their
+    own formats, neighbours that share a format joined (q and k as one part beside v)."""
+    one = _one_format(ws)
+    if one is not None:
+        return one
+    groups = [ws[0]]
+    for w in ws[1:]:
+        joined = _one_format([groups[-1], w])
+        if joined is None:
+            groups.append(w)
+        else:
+            groups[-1] = joined
+    return Stacked(tuple(groups))
+
+
+def _one_format(ws: list[QWeight]) -> QWeight | None:
+    """ws stacked in the narrowest format that holds every part exactly (4 < 5 < 8 bits), or None."""
     for kind in (Q4Weight, Q5Weight, Q8Weight):
         parts = [as_kind(w, kind) for w in ws]
         if all(p is not None for p in parts):

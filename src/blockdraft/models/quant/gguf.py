@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .formats import BLOCK, Q4Weight, Q5Weight, Q8Weight, QWeight, pack_q4, pack_q5
+from .formats import BLOCK, Factored, Q4Weight, Q5Weight, Q8Weight, QWeight, pack_q4, pack_q5
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 little-endian half floats -> [...] float32."""
@@ -24,6 +24,14 @@ def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
     m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
     return s.astype(np.float32), m.astype(np.float32)
+
+
+def _k_factors(d: np.ndarray, sc: np.ndarray, dmin: np.ndarray, mn: np.ndarray) -> Factored:
+    """A Q4_K / Q5_K tensor's super-block floats d, dmin [N, S] and 6-bit scales and mins [N, S, 8] (as float32)
+    -> its factored scales (the weight's scale and offset are their products)."""
+    n = d.shape[0]
+    return Factored(torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(sc.astype(np.uint8).reshape(n, -1)),
+                    torch.from_numpy(np.ascontiguousarray(dmin)), torch.from_numpy(mn.astype(np.uint8).reshape(n, -1)))
 
 
 def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
@@ -63,7 +71,8 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         codes = (lo | (((qh >> shift) & 1) << 4)).reshape(n, k)
         scale = (d[..., None] * sc).reshape(n, k // BLOCK)
         off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
-        return Q5Weight(*pack_q5(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off))
+        return Q5Weight(*pack_q5(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off),
+                        _k_factors(d, sc, dmin, mn))
     if kind == "Q4_K":  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         b = data.reshape(n, k // 256, 144)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -72,7 +81,8 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         codes = np.stack([q & 15, q >> 4], axis=3).reshape(n, k)  # [N, S, 4, 2, 32] -> input order
         scale = (d[..., None] * sc).reshape(n, k // BLOCK)
         off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
-        return Q4Weight(pack_q4(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off))
+        return Q4Weight(pack_q4(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off),
+                        _k_factors(d, sc, dmin, mn))
     if kind == "Q6_K":  # super-blocks of 256: ql[128], qh[64], 16 int8 scales, d
         b = data.reshape(n, k // 256, 210)
         ql, qh = b[..., :128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
@@ -82,7 +92,9 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
         codes = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
         scale = (d[..., None] * sc).reshape(n, k // 16)
-        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(scale))
+        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(scale),
+                        Factored(torch.from_numpy(np.ascontiguousarray(d)),
+                                 torch.from_numpy(sc.astype(np.int8).reshape(n, k // 16))))
     return None
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...atomic import file_lock
-from .formats import Q4Weight, Q5Weight, QWeight, bits_of
+from .formats import Q4Weight, Q5Weight, QWeight, Stacked, bits_of
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +144,7 @@ class QuantLinear:
         """This linear as the kernels hold it (csrc/qlinear.h `QLin`, also what the native decoder takes)."""
         if self._call:
             return self._call
-        k, w = _load_kernels(), self.weight
-        if isinstance(w, Q4Weight):
-            return k.make_qlin(4, w.codes, w.scale, w.offset, self.bias)
-        if isinstance(w, Q5Weight):
-            return k.make_qlin(5, w.codes, w.scale, w.offset, self.bias, w.high)
-        return k.make_qlin(8, w.codes, w.scale, None, self.bias)
+        return _native(_load_kernels(), self.weight, self.bias)
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         assert x.shape[-1] == self.in_features, f"x must be [..., {self.in_features}], got {tuple(x.shape)}"
@@ -158,3 +153,21 @@ class QuantLinear:
             dense = self._dense[x.dtype] = self.weight.dequantize().to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, dense, bias)
+
+
+def _native(k, w: QWeight, bias: torch.Tensor | None):
+    """w (and its float32 bias [N]) packed for the kernels `k`: a stack part by part, each with its slice of the
+    bias; factored K-quant scales passed on (the kernels then stream a byte per block instead of a float)."""
+    if isinstance(w, Stacked):
+        parts, start = [], 0
+        for p in w.parts:
+            parts.append(_native(k, p, None if bias is None else bias[start:start + p.shape[0]].contiguous()))
+            start += p.shape[0]
+        return k.stack_qlin(parts)
+    f = w.factored
+    factors = {} if f is None else {"sub": f.sub, "super_scale": f.d, "sub_min": f.sub_min, "super_min": f.dmin}
+    if isinstance(w, Q4Weight):
+        return k.make_qlin(4, w.codes, w.scale, w.offset, bias, **factors)
+    if isinstance(w, Q5Weight):
+        return k.make_qlin(5, w.codes, w.scale, w.offset, bias, w.high, **factors)
+    return k.make_qlin(8, w.codes, w.scale, None, bias, **factors)

@@ -44,12 +44,12 @@ class WeightPlan:
             return None
         if self.mode == "gguf":
             parts = [self.exact.get(n) for n in names]
-            w = fuse(parts) if all(p is not None for p in parts) else None
-            if w is None:
+            if any(p is None for p in parts):
                 for n, p in zip(names, parts):
                     self.kept.setdefault(n, "no exact block mapping" if p is None else
-                                         "fused with a kind no common format holds exactly")
+                                         "fused with a part that has no exact block mapping")
                 return None
+            w = fuse(parts)
         else:
             if any(int(x.shape[1]) % BLOCK for x in weights):
                 for n in names:
