@@ -28,9 +28,9 @@ from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.draft_config import DFlashConfig
 from blockdraft.models.eagle import EagleConfig, EagleDraftModel
 from blockdraft.eval.machine import machine_info
+from blockdraft.eval.timing import measure
 from blockdraft.models.loading import default_mask_token_id, load_target
-from blockdraft.decode.proposers.dflash import DFlashProposer
-from blockdraft.decode.proposers.eagle import EagleProposer
+from blockdraft.decode.spec import DecodeSpec, build_engine
 
 GREEDY = SamplingParams()
 
@@ -40,7 +40,8 @@ class EagleCase:
 
     def __init__(self, target, ctx: int, max_n: int, tokens: torch.Tensor) -> None:
         draft = EagleDraftModel(EagleConfig.from_target(target.config)).init_from_target(target).to(target.dtype)
-        self.prop = EagleProposer(draft.eval(), target, gamma=max_n)
+        # the proposer `--method eagle` builds, drafting up to max_n tokens
+        self.prop = build_engine(target, draft.eval(), DecodeSpec("eagle", block_size=max_n + 1)).proposer
         feats = torch.randn(1, ctx, 3 * target.hidden_size, dtype=target.dtype)
         self.last = feats[:, -1:]
         self.tokens = tokens
@@ -63,7 +64,8 @@ class DFlashCase:
         cfg = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=max_n + 1,
                                        mask_token_id=default_mask_token_id(target.tokenizer, target.vocab_size))
         draft = DFlashDraftModel(cfg).init_from_target(target).to(target.dtype).eval()
-        self.prop = DFlashProposer(draft, target)
+        # the proposer `--method dflash` builds, on the draft's float weights
+        self.prop = build_engine(target, draft, DecodeSpec("dflash", draft_weights="bf16")).proposer
         feats = torch.randn(1, ctx, cfg.num_target_features * target.hidden_size, dtype=target.dtype)
         self.prop.start(tokens[:-1], feats)
         self.tokens = tokens
@@ -74,22 +76,6 @@ class DFlashCase:
         dt = time.perf_counter() - t0
         assert out.tokens.numel() == n
         return dt
-
-
-def measure(cases: dict, max_n: int, repeats: int, warmup: int) -> dict:
-    """-> {method: {N: [seconds per repeat]}}, methods rotated per (repeat, N)."""
-    names = list(cases)
-    for _ in range(warmup):
-        for n in range(1, max_n + 1):
-            for m in names:
-                cases[m](n)
-    times = {m: {n: [] for n in range(1, max_n + 1)} for m in names}
-    for r in range(repeats):
-        for n in range(1, max_n + 1):
-            k = (r + n) % len(names)
-            for m in names[k:] + names[:k]:
-                times[m][n].append(cases[m](n))
-    return times
 
 
 def write_outputs(out: Path, times: dict, config: dict) -> None:

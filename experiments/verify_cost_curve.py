@@ -30,7 +30,7 @@ import torch
 
 from blockdraft.eval.machine import machine_info
 from blockdraft.models.loading import DEFAULT_DRAFTS, load_target, packaged_models_dir
-from draft_cost_curve import measure  # the same interleaved measuring loop as the draft cost curve (experiments/)
+from blockdraft.eval.timing import measure  # the same interleaved measuring loop as the draft cost curve
 
 
 class EngineCase:

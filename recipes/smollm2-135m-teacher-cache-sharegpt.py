@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from smollm2_data import regenerated_records
+from blockdraft.train.data.smollm2_records import regenerated_records
 
 from blockdraft.models.loading import load_target
 from blockdraft.train.conversations import conversation_record

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from smollm2_data import heldout_records, regenerated_records
+from blockdraft.train.data.smollm2_records import heldout_records, regenerated_records
 
 from blockdraft.models.loading import load_target
 from blockdraft.train.teacher import build_teacher_cache

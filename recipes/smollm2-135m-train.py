@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from smollm2_data import REGEN, build_records, heldout_records  # recipes/, beside this file
+from blockdraft.train.data.smollm2_records import REGEN, build_records, heldout_records
 
 from blockdraft.models.loading import load_target
 from blockdraft.train.config import TrainConfig

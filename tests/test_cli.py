@@ -142,6 +142,7 @@ def test_step_profile_times_steps_linears_and_a_draft_step(tiny_dir, tmp_path):
         "--draft", tmp_path / "d",
         "--threads", "1", "--out", out)
     r = json.loads(out.read_text())
+    assert r["command"].startswith("blockdraft step-profile --target") and "--widths 1,2 " in r["command"]
     assert set(r["ms"]["auto-native"]) == {"1", "2"} and r["ratio_to_one_token"]["1"] == 1.0
     assert r["draft"]["block"] == 4 and r["draft"]["ms"] > 0 and r["draft"]["share_of_one_token"] > 0
     assert set(r["linears"]["rows"]) == {"1", "2"} and r["linears"]["count"] == 16
@@ -182,3 +183,40 @@ def test_prefill_bench_pairs_the_engine_with_llamacpp_servers_own_timing(tiny_di
     monkeypatch.setenv("BLOCKDRAFT_LLAMACPP_BIN", str(tmp_path / "nowhere"))
     alone = run("prefill-bench", "--target", tiny_dir, "--tokens", "64", "--methods", "llamacpp-server", check=False)
     assert alone.returncode != 0 and "nothing to measure" in alone.stderr and "not found" in alone.stderr
+
+
+def test_serve_flags_map_onto_the_servers_config_and_back():
+    """Each `blockdraft serve` flag is the ServeConfig field of the same name: the flags `ServeConfig.argv` writes
+    (what the soak test and serve-bench start a server with) parse back to the same config, the defaults agree, and
+    a bad limit is refused when the config is made, before any model loads."""
+    import dataclasses
+
+    from blockdraft.cli import build_parser
+    from blockdraft.cli.serve import serve_config
+    from blockdraft.serve.config import ServeConfig
+
+    parser = build_parser()
+    assert serve_config(parser.parse_args(["serve", "--api-key", "k"])) == ServeConfig(api_key="k")
+    cfg = ServeConfig(target="t", draft="none", method="ar", recalibrate=True, port=0, max_batch=3, max_queue=0,
+                      max_tokens_cap=40, body_timeout=2.5, threads=1, max_step_tokens=7)
+    back = serve_config(parser.parse_args(["serve", *cfg.argv(), "--api-key", "k"]))
+    assert back == dataclasses.replace(cfg, api_key="k")
+    assert "--api-key" not in ServeConfig(api_key="secret").argv()
+    with pytest.raises(ValueError, match="--max-batch"):
+        ServeConfig(max_batch=0)
+    with pytest.raises(ValueError, match="--body-timeout"):
+        ServeConfig(body_timeout=0)
+
+
+def test_soak_report_records_its_options_as_json():
+    """The soak report's config: the run's options under the names of `blockdraft soak`'s flags, as JSON."""
+    from blockdraft.eval.soak import SoakConfig, Tally
+    from blockdraft.eval.soak_report import markdown, summarize
+    from blockdraft.serve.config import ServeConfig
+
+    cfg = SoakConfig(server=ServeConfig(port=0, max_batch=2, max_queue=3, max_tokens_cap=16), minutes=0.5,
+                     command="blockdraft soak --minutes 0.5")
+    rep = summarize(cfg, Tally(), [], 0.0, 1.0, ("a", "a"), {}, {}, {"errors": 0, "worker_alive": True}, 0, 1.0)
+    c = json.loads(json.dumps(rep))["config"]
+    assert c["minutes"] == 0.5 and c["max_batch"] == 2 and c["max_queue"] == 3 and c["max_tokens"] == 16
+    assert "max-batch 2, max-queue 3" in markdown(rep) and "`blockdraft soak --minutes 0.5`" in markdown(rep)

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from blockdraft.prompts import load_task
@@ -293,3 +294,48 @@ def test_tokenized_prompt_files_round_trip_and_skip_what_is_answered(tmp_path):
     ids, toks = read_tokenized(tmp_path / "p.npz")
     assert ids == ["p0", "p3"] and toks == [[1, 1, 2, 3, 2], [1, 2, 2, 2]]
     assert counts == {"u": 1, "t": 1}
+
+
+def test_regenerate_records_teacher_data_in_the_same_pass(tiny, tmp_path):
+    """With a RecordSpec the answers' teacher data comes from the pass that writes them: the tapped features and
+    top-k logits equal, bit for bit, one prefill of the whole record on the same weights (the quantized kernels give
+    a T-token forward the bits of T one-token steps); the positions the pass never computes are zeros (-1 ids)."""
+    import torch
+
+    from blockdraft.models.quant import WeightPlan
+    from blockdraft.models.target import TargetModel
+    from blockdraft.train.teacher import TeacherCache
+
+    model, tok = tiny
+    layers, k, max_len = (0, 1), 4, 48  # max_len cuts the longer records: the cut is exercised
+    rec = D.RecordSpec(tmp_path / "teacher", layers, topk=k, max_len=max_len)
+    kw = dict(max_new_tokens=6, batch_size=3, shard_size=4, progress=False, weights=WeightPlan("int8"))
+    rep = D.regenerate(model, tok, PROMPTS, tmp_path / "shards", record=rec, **kw)
+    assert rep.generated == 6 and rep.recorded == 6
+    records = {r["id"]: r for r in R.read_shards(tmp_path / "shards")}
+    cache = TeacherCache(tmp_path / "teacher")
+    assert sorted(s.id for s in cache.sequences) == sorted(records) and cache.layer_ids == list(layers)
+    target = TargetModel(model, tok, weights=WeightPlan("int8"))
+    assert target.lean is not None and target.lean.native is not None  # the kernels' exactness is what is checked
+    for seq in cache.sequences:
+        r = records[seq.id]
+        n = min(len(r["input_ids"]), max_len)
+        p = r["loss_mask"].index(1)  # the first answer position: logits are kept from position p - 1 on
+        assert list(seq.tokens) == r["input_ids"][:n] and list(seq.loss_mask) == r["loss_mask"][:n]
+        ids = torch.tensor([r["input_ids"][:n]])
+        out = target.forward(ids, target.new_decode_cache(n + 8), tap=layers)
+        feats = out.features[0].to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+        got = np.asarray(seq.feats)
+        last = min(n, len(r["input_ids"]) - 1)  # the final token is never fed
+        assert (got[:last] == feats[:last]).all() and not got[last:].any()
+        top = out.logits[0].float().topk(k, dim=-1)
+        assert (np.asarray(seq.topk_ids[p - 1:last]) == top.indices[p - 1:last].numpy()).all()
+        assert (np.asarray(seq.topk_logits[p - 1:last]) == top.values[p - 1:last].numpy().astype(np.float16)).all()
+        assert (np.asarray(seq.greedy[:p - 1]) == -1).all() and (np.asarray(seq.greedy[last:]) == -1).all()
+        # greedy decoding: the target's choice after every answer position is the token that follows it
+        assert list(seq.greedy[p - 1:last]) == r["input_ids"][p:last + 1]
+
+    rep = D.regenerate(model, tok, PROMPTS, tmp_path / "shards", record=rec, **kw)  # resumed: nothing twice
+    assert rep.generated == 0 and rep.recorded == 0 and len(TeacherCache(tmp_path / "teacher")) == 6
+    with pytest.raises(ValueError, match="written with"):  # another teacher into the same cache is refused
+        D.regenerate(model, tok, PROMPTS, tmp_path / "shards", record=D.RecordSpec(tmp_path / "teacher", (1,)), **kw)

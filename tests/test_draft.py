@@ -131,7 +131,7 @@ def test_recommended_decode_block_size(tmp_path, llama_target):
 
     draft = tiny_draft(llama_target, layers=1)
     assert DFlashProposer(draft, llama_target).block_size == 8  # the trained size
-    draft.config.extra["decode_block_size"] = 4
+    draft.config.decode_block_size = 4
     draft.save_pretrained(tmp_path, dtype=torch.float32)
     loaded = DFlashDraftModel.from_pretrained(tmp_path)
     assert DFlashProposer(loaded, llama_target).block_size == 4

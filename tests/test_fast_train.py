@@ -115,6 +115,28 @@ def test_teacher_cache_roundtrip_resume_and_spec_check(tiny_target, tmp_path):
 
 
 
+def test_int8_features_hold_the_bf16_ones_within_half_a_step(tiny_target, tmp_path):
+    """An int8 cache holds each position's features as codes times max|x| / 127 per group of 32: read back, every
+    value is within half a code step of the bf16 cache's (plus bf16's own rounding of the result), at half the bytes
+    and a scale per group; a cache of one kind is not resumed as the other."""
+    from blockdraft.train.teacher import feats_tensor
+
+    recs = _records(3, seed=5)
+    build_teacher_cache(tiny_target, recs, tmp_path / "b", [1, 3], topk=4)
+    build_teacher_cache(tiny_target, recs, tmp_path / "q", [1, 3], topk=4, feats="int8")
+    b, q = TeacherCache(tmp_path / "b"), TeacherCache(tmp_path / "q")
+    assert q.feats == "int8" and b.feats == "bf16"
+    for sb, sq in zip(b.sequences, q.sequences):
+        assert np.asarray(sq.feats).dtype == np.int8 and np.asarray(sq.feats).nbytes * 2 == np.asarray(sb.feats).nbytes
+        ref, got = feats_tensor(sb).float(), feats_tensor(sq).float()
+        step = torch.from_numpy(np.array(sq.feats_scale)).repeat_interleave(32, dim=1)  # [L, K*H]
+        assert ((got - ref).abs() <= step / 2 + ref.abs() * 2 ** -7 + 1e-6).all()
+        cols = q.columns([3])  # one layer's columns read alone: the same values
+        assert torch.equal(feats_tensor(sq, cols), feats_tensor(sq)[:, cols])
+    with pytest.raises(ValueError, match="asks for"):
+        build_teacher_cache(tiny_target, recs, tmp_path / "q", [1, 3], topk=4)
+
+
 def test_a_cache_of_appended_records_is_the_tail_of_one_cache_of_all(tiny_target, tmp_path):
     recs = _records(5, seed=3)
     build_teacher_cache(tiny_target, recs, tmp_path / "all", [1, 3], topk=4, chunk_records=2)

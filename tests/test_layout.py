@@ -1,6 +1,8 @@
 """The package's layout, checked from its source: dependencies point one way (models <- decode <- train / eval /
 serve <- cli, with config, paths and prompts below them all), no import cycle, package code imported at module level
-outside the CLI, engines built in one place, and files of one concept each (no source file over MAX_LINES)."""
+outside the CLI, engines and proposers built in decode/ only (experiments/ and recipes/ included), files beside the
+package importing through it, the native sources included downward only, and files of one concept each (no source
+file, Python or C++, over MAX_LINES; experiments/, recipes/ and csrc/ counted)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "blockdraft"
 MAX_LINES = 450
-MAX_SCRIPTS = 8
+# files beside the package and native sources: a new one should be a deliberate choice, not sprawl
+MAX_FILES = {"experiments": 16, "recipes": 10, "csrc": 10}
 # each room and the rooms it may import from (modules at the package root are shared helpers)
 ALLOWED = {
     "root": {"root"},
@@ -114,22 +117,67 @@ def test_package_code_is_imported_at_module_level_outside_the_cli():
     assert not local, local
 
 
+# what builds an engine or a proposer: only decode/ does (the one builder, `decode.spec.build_engine`)
+BUILDERS = ("Engine(", "DFlashProposer(", "EagleProposer(", "TreeProposer(", "PromptLookupProposer(")
+
+
+def _beside() -> list[Path]:
+    """The runnable files beside the package: experiments/ and recipes/."""
+    return sorted(p for d in ("experiments", "recipes") for p in (ROOT / d).glob("*") if p.is_file())
+
+
 def test_engines_are_built_in_decode_only():
     calls = []
-    for path in list(PKG.rglob("*.py")) + list((ROOT / "scripts").glob("*.py")):
+    for path in list(PKG.rglob("*.py")) + [p for p in _beside() if p.suffix == ".py"]:
         rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("src/blockdraft/decode/"):
+            continue
         text = path.read_text(encoding="utf-8")
-        if "Engine(" in text.replace("class Engine(", "") and not rel.startswith("src/blockdraft/decode/"):
-            calls.append(rel)
-        if "DFlashProposer(" in text.replace("class DFlashProposer(", "") and rel not in (
-                "src/blockdraft/decode/spec.py", "src/blockdraft/decode/proposers/dflash.py"):
-            calls.append(rel)
+        for b in BUILDERS:
+            if b in text.replace(f"class {b}", ""):
+                calls.append(f"{rel}: {b}")
     assert not calls, calls
 
 
+def test_experiments_and_recipes_import_through_the_package():
+    # a file beside the package that imports another by its bare module name works only from its own folder and
+    # hides shared code from the package's tests: what two of them share belongs in the package
+    siblings = {p.stem for p in _beside() if p.suffix == ".py"}
+    bare = []
+    for path in [p for p in _beside() if p.suffix == ".py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bare += [f"{path.relative_to(ROOT).as_posix()}: {n}" for n in names if n.split(".")[0] in siblings]
+    assert not bare, bare
+
+
 def test_files_hold_one_concept_each():
-    long = {p.relative_to(ROOT).as_posix(): n for p in list(PKG.rglob("*.py")) + list((ROOT / "scripts").glob("*"))
+    csrc = PKG / "models" / "csrc"
+    files = list(PKG.rglob("*.py")) + list(csrc.glob("*.[ch]*")) + _beside()
+    long = {p.relative_to(ROOT).as_posix(): n for p in files
             if p.is_file() and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, long
-    scripts = [p.name for p in (ROOT / "scripts").glob("*") if not p.name.startswith(".")]
-    assert len(scripts) <= MAX_SCRIPTS, scripts
+    counts = {d: len([p for p in (ROOT / d).glob("*") if p.is_file() and not p.name.startswith(".")])
+              for d in ("experiments", "recipes")}
+    counts["csrc"] = len(list(csrc.glob("*.[ch]*")))
+    assert all(counts[d] <= MAX_FILES[d] for d in counts), (counts, MAX_FILES)
+
+
+def test_native_sources_include_downward_only():
+    # the C++ sources form layers too: headers include only headers below them, and bindings.cpp alone defines the
+    # Python module (no .cpp includes a .cpp, and the decoder does not reach back into the bindings)
+    csrc = PKG / "models" / "csrc"
+    order = ["common.h", "q45.h", "q8.h", "vnni.h", "qlinear.h", "stack_ops.h", "decoder.h", "decoder.cpp",
+             "bindings.cpp"]
+    assert sorted(p.name for p in csrc.glob("*.[ch]*")) == sorted(order), "a native source is not in the order"
+    bad = []
+    for path in csrc.glob("*.[ch]*"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith('#include "'):
+                inc = line.split('"')[1]
+                if inc not in order or order.index(inc) >= order.index(path.name) or inc.endswith(".cpp"):
+                    bad.append(f"{path.name} includes {inc}")
+    assert not bad, bad
+    modules = [p.name for p in csrc.glob("*.cpp") if "PYBIND11_MODULE" in p.read_text(encoding="utf-8")]
+    assert modules == ["bindings.cpp"], modules

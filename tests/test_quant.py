@@ -54,7 +54,7 @@ def _activations(x: torch.Tensor):
 
 
 def naive_qlinear(x: torch.Tensor, w: quant.QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: x [M, K] -> [M, N] in float64 from the kernels' definition (quant.py / qlinear.cpp)."""
+    """The reference: x [M, K] -> [M, N] in float64 from the kernels' definition (quant/ and csrc/)."""
     xq, dx, xs = _activations(x)
     n, k = w.shape
     if isinstance(w, (Q4Weight, Q5Weight)):

@@ -249,13 +249,13 @@ def test_prompts_longer_than_max_prompt_tokens_get_a_400_before_any_decoding():
     is refused with 400 context_length_exceeded naming the limit; one at the limit is accepted."""
     from blockdraft.serve.schema import APIError, RequestParser
 
-    parser = RequestParser(tokenizer=None, model_name="m", max_context=4096, max_tokens_cap=16, block_size=None,
-                           vocab_size=100, max_prompt_tokens=8)
+    parser = RequestParser(tokenizer=None, model_name="m", max_context=4096, max_tokens_cap=16, vocab_size=100,
+                           max_prompt_tokens=8)
     ok = parser.parse({"model": "m", "prompt": list(range(8)), "max_tokens": 2}, chat=False)
     assert ok.prompt_ids == list(range(8))
     with pytest.raises(APIError) as e:
         parser.parse({"model": "m", "prompt": list(range(9)), "max_tokens": 2}, chat=False)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
     assert "at most 8" in e.value.message and "--max-prompt-tokens" in e.value.message
-    unbounded = RequestParser(None, "m", 4096, 16, None, 100)
+    unbounded = RequestParser(None, "m", 4096, 16, 100)
     assert len(unbounded.parse({"model": "m", "prompt": list(range(9)) * 50}, chat=False).prompt_ids) == 450

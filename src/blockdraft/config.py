@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -52,27 +52,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Limits and drafting knobs of one generate call.
-
-    block_size: tokens verified per step (1 committed + block_size-1 drafted); None = the draft's trained size.
-    denoise_steps: draft passes per block (1 = the paper's single-pass drafting; >1 re-masks low-confidence positions
-    and re-runs, as block-diffusion LMs do).
-    """
+    """One request's limits and stops (how it samples is its `SamplingParams`). How the engine drafts and verifies
+    (method, block size, denoising passes) is the engine's `decode.spec.DecodeSpec`, set once for every request."""
 
     max_new_tokens: int = 256
-    block_size: int | None = None
-    denoise_steps: int = 1
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
-        if not isinstance(self.denoise_steps, int) or self.denoise_steps < 1:
-            raise ValueError(f"denoise_steps must be an integer >= 1, got {self.denoise_steps!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")

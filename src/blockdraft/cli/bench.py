@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..eval import bench
-from ..eval.engines import WEIGHTS_METHODS
+from ..eval.engines import weights_methods
 from ..eval.report import fmt_num, fmt_speedup
 from .options import add_draft, add_dtype, add_target, csv, floats
 
@@ -34,7 +34,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_dtype(p)
     p.add_argument("--weights", type=csv, default=bench.BenchConfig.weights,
                    help="comma list of weights modes (auto, bf16, int8, int4): the first for every method, each "
-                        "further one reruns " + ",".join(WEIGHTS_METHODS) + " as METHOD@MODE in the same run")
+                        "further one reruns " + ",".join(weights_methods()) + " as METHOD@MODE in the same run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", default=None, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
     p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")

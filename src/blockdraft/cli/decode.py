@@ -37,8 +37,7 @@ def load_engine(args):
     """-> (engine, generation config, sampling, draft directory or None) for parsed generate/chat options."""
     torch.set_grad_enabled(False)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                               denoise_steps=args.denoise_steps, stop_strings=tuple(args.stop))
+    gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
     target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile,
                               weights=args.weights)
     path = resolve_draft(args.draft, src.name)

@@ -1,10 +1,13 @@
-"""`blockdraft serve`: the OpenAI-compatible server's options (serve/app.py runs it)."""
+"""`blockdraft serve`: the OpenAI-compatible server's options, mapped onto serve.config.ServeConfig (serve/app.py
+runs it)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
+from ..serve.config import ServeConfig
 from .options import add_decode, add_model
 
 
@@ -38,11 +41,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # testing aid
 
 
+def serve_config(args) -> ServeConfig:
+    """The ServeConfig of parsed `add_serve_args` options (each of its fields is the flag of the same name)."""
+    return ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+
+
 def cmd_serve(args) -> int:
+    cfg = serve_config(args)
     from ..serve.app import serve_main  # the web stack is imported only when a server runs
 
     try:
-        return serve_main(args)
+        return serve_main(cfg)
     except (NotImplementedError, OSError) as e:
         raise ValueError(str(e)) from e
 

@@ -1,36 +1,38 @@
 """The training-side subcommands: init-draft, data, wide-prompts, pack, features, train, teacher-cache, export and
-heldout-tau. Each imports the library code it runs, so building the parser stays cheap."""
+heldout-tau. Each maps its options onto the library's config and prints what the library returns."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-from pathlib import Path
+from dataclasses import MISSING, fields
 
 from ..decode.spec import DRAFT_WEIGHTS
+from ..export.gguf import export_gguf
 from ..train import heldout
+from ..train.config import TrainConfig, load_train_config, parse_bool
+from ..train.data import run_regeneration
+from ..train.features import FeaturesConfig, write_features
+from ..train.init_draft import InitDraftConfig, init_draft
+from ..train.records import pack_uint16, read_shards
+from ..train.teacher import FEATS, TeacherCacheConfig, run_teacher_cache
+from ..train.trainer import train
+from ..train.wide_prompts import WidePromptsConfig, write_wide_prompts
 from .options import add_dtype, add_target, add_weights
 
 log = logging.getLogger("blockdraft")
 
 
+def _layer_ids(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
 def cmd_init_draft(args) -> int:
     """Write a randomly initialised draft for a target (the starting point of training, or a speed baseline)."""
-    import torch
-
-    from ..models.draft import DFlashDraftModel
-    from ..models.draft_config import DFlashConfig
-    from ..models.loading import default_mask_token_id, load_target
-
-    target, _ = load_target(args.target, "fp32", weights="bf16")
-    torch.manual_seed(args.seed)
-    cfg = DFlashConfig.from_target(
-        target.config, num_hidden_layers=args.layers, block_size=args.block_size,
-        mask_token_id=args.mask_token_id if args.mask_token_id is not None
-        else default_mask_token_id(target.tokenizer, target.vocab_size),
-        num_target_features=args.num_target_features)
-    DFlashDraftModel(cfg).init_from_target(target).save_pretrained(args.out)
+    cfg = init_draft(InitDraftConfig(out=args.out, target=args.target, layers=args.layers, block_size=args.block_size,
+                                     num_target_features=args.num_target_features,
+                                     mask_token_id=args.mask_token_id, seed=args.seed))
     print(json.dumps({"out": args.out, "layers": cfg.num_hidden_layers, "target_layer_ids": cfg.target_layer_ids,
                       "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size}))
     return 0
@@ -38,43 +40,27 @@ def cmd_init_draft(args) -> int:
 
 def cmd_data(args) -> int:
     """Build the prompt set (dedupe, held-out split, decontamination) and regenerate answers with the target."""
-    from ..train.data import run_regeneration
-
     out = run_regeneration(target=args.target, out_dir=args.out, n_sharegpt=args.n_sharegpt, n_gsm=args.n_gsm,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            dtype=args.dtype, temperature=args.temperature, extra_jsonl=tuple(args.jsonl),
-                           num_threads=args.threads, weights=args.weights, only_task=args.only_task)
+                           num_threads=args.threads, weights=args.weights, only_task=args.only_task,
+                           record_layers=_layer_ids(args.record_layers) or (), record_topk=args.record_topk,
+                           record_max_len=args.record_max_len, record_feats=args.record_feats)
     print(json.dumps(out.get("summary", {}), default=str))
     return 0
 
 
 def cmd_wide_prompts(args) -> int:
     """The wide prompt set, tokenized for a GPU regeneration round (recipes/smollm2-135m-dflash-gpu.py)."""
-    import glob as globmod
-
-    from ..models.loading import load_hf_target
-    from ..train.records import load_records
-    from ..train.wide_prompts import (prompt_ids_of_records, wide_prompt_set, wide_sources, write_tokenized)
-
-    _, tok, _ = load_hf_target(args.target, dtype="bf16")
-    train, held, rep = wide_prompt_set(wide_sources(seed=args.seed), seed=args.seed)
-    done = prompt_ids_of_records(r for f in sorted(globmod.glob(args.exclude)) for r in load_records(f)) \
-        if args.exclude else set()
-    out = Path(args.out)
-    card = {"prompt_set": {k: v for k, v in rep.to_json().items() if k != "contaminated_ids"},
-            "already_answered": len(done), "max_prompt_tokens": args.max_prompt_tokens,
-            "train": write_tokenized(tok, train, out / "prompts-train.npz", args.max_prompt_tokens, done),
-            "heldout": write_tokenized(tok, held[: args.heldout], out / "prompts-heldout.npz",
-                                       args.max_prompt_tokens, done)}
-    (out / "prompt-card.json").write_text(json.dumps(card, indent=1) + "\n")
+    card = write_wide_prompts(WidePromptsConfig(out=args.out, target=args.target, exclude=args.exclude,
+                                                max_prompt_tokens=args.max_prompt_tokens, heldout=args.heldout,
+                                                seed=args.seed))
     print(json.dumps(card))
     return 0
 
 
 def cmd_pack(args) -> int:
     """Pack JSONL shards into one compact uint16 .npz (what the repo commits)."""
-    from ..train.records import pack_uint16, read_shards
-
     n = pack_uint16(read_shards(args.shards), args.out)
     print(json.dumps({"records": n, "out": args.out}))
     return 0
@@ -82,35 +68,18 @@ def cmd_pack(args) -> int:
 
 def cmd_features(args) -> int:
     """Precompute target features for offline training."""
-    from ..models.draft import DFlashDraftModel
-    from ..models.eagle import EagleDraftModel, is_eagle_draft
-    from ..models.loading import load_target
-    from ..train.features import precompute_features
-    from ..train.records import load_records
-
-    target, _ = load_target(args.target, args.dtype, weights="bf16")  # training reads the float model
-    draft_cls = EagleDraftModel if args.draft and is_eagle_draft(args.draft) else DFlashDraftModel
-    layer_ids = (draft_cls.from_pretrained(args.draft).config.target_layer_ids if args.draft
-                 else [int(x) for x in args.layer_ids.split(",")])
-    precompute_features(target, layer_ids, load_records(args.data), args.out)
+    layer_ids = write_features(FeaturesConfig(data=args.data, out=args.out, target=args.target, draft=args.draft,
+                                              layer_ids=_layer_ids(args.layer_ids), dtype=args.dtype))
     print(json.dumps({"out": args.out, "layer_ids": layer_ids}))
     return 0
 
 
 def cmd_train(args) -> int:
     """Train a draft (train/trainer.py): from teacher caches (cache=...) or from records (data=...)."""
-    from dataclasses import fields
-
-    from ..train.config import TrainConfig
-    from ..train.trainer import train
-
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     if "layer_ids" in kw:
         kw["layer_ids"] = [int(x) for x in kw["layer_ids"].split(",")]
-    cfg = TrainConfig.from_yaml(args.config, **kw) if args.config else TrainConfig(**kw)
-    if not cfg.cache and not cfg.data:
-        raise ValueError("no training data: pass --cache DIR (a teacher cache, with --heldout-cache) or --data DIR "
-                         "(records), or set one of them in the --config file")
+    cfg = load_train_config(args.config, **kw)
     log.info("training config: %s", cfg)
     summary = train(cfg, resume=args.resume)
     summary.pop("losses", None)
@@ -120,10 +89,6 @@ def cmd_train(args) -> int:
 
 def _train_args(t: argparse.ArgumentParser) -> None:
     """Every TrainConfig field as an optional flag (None = keep the config file's or the default value)."""
-    from dataclasses import MISSING, fields
-
-    from ..train.config import TrainConfig, parse_bool
-
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else f.default_factory()
         if f.name == "layer_ids":
@@ -136,41 +101,14 @@ def _train_args(t: argparse.ArgumentParser) -> None:
 
 def cmd_teacher_cache(args) -> int:
     """Prefill the target over training records once: features, greedy labels, top-k logits (train/teacher.py)."""
-    from ..models.loading import load_target
-    from ..train.teacher import build_teacher_cache
-    from ..train.records import load_records
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from ..train.precision import compute_dtype, dtype_name
-
-    if args.offset < 0 or (args.limit is not None and args.limit < 0):
-        raise ValueError("--offset and --limit must be >= 0")
-    records = load_records(args.data)
-    if args.offset > len(records):
-        raise ValueError(f"--offset {args.offset}: {args.data} holds only {len(records)} records")
-    end = None if args.limit is None else args.offset + args.limit
-    records = records[args.offset:end]
-    # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
-    target, _ = load_target(args.target, dtype_name(compute_dtype(args.dtype)), weights="bf16")
-    if args.layer_ids:
-        layers = [int(x) for x in args.layer_ids.split(",")]
-    else:
-        from ..models.draft_config import default_target_layer_ids
-
-        tc = getattr(target.config, "text_config", None) or target.config
-        layers = default_target_layer_ids(int(tc.num_hidden_layers), 6)
-    out = build_teacher_cache(target, records, args.out, layers, topk=args.topk, max_len=args.max_len,
-                              first_record=args.offset)
-    print(json.dumps({"out": str(out), "records": len(records), "first_record": args.offset, "layer_ids": layers}))
+    print(json.dumps(run_teacher_cache(TeacherCacheConfig(
+        data=args.data, out=args.out, target=args.target, layer_ids=_layer_ids(args.layer_ids), topk=args.topk,
+        max_len=args.max_len, limit=args.limit, offset=args.offset, threads=args.threads, dtype=args.dtype,
+        feats=args.feats))))
     return 0
 
 
 def cmd_export(args) -> int:
-    from ..export.gguf import export_gguf
-
     res = export_gguf(args.out, args.draft, args.target, args.outtype)
     what = "target"
     if res.target_layers is not None:
@@ -208,6 +146,16 @@ def register(sub) -> None:
                    help="regenerate only this task's train prompts not yet written (the rest of the plan stays "
                         "for a later run without it)")
     add_weights(d)
+    d.add_argument("--record-layers", default=None,
+                   help="also write the answers' teacher data from the same pass (the tapped features of these "
+                        "target layers, comma-separated, and the top-k logits) into OUT/teacher and "
+                        "OUT/teacher-heldout, what `train --cache` reads (default: none; `teacher-cache` later)")
+    d.add_argument("--record-topk", type=int, default=16, help="with --record-layers: logits kept per position")
+    d.add_argument("--record-max-len", type=int, default=512,
+                   help="with --record-layers: positions kept per record (as teacher-cache's --max-len)")
+    d.add_argument("--record-feats", default="bf16", choices=FEATS,
+                   help="with --record-layers: the features as bf16, or int8 codes with a scale per 32 values "
+                        "(56% of the disk)")
     d.set_defaults(func=cmd_data)
 
     w = sub.add_parser("wide-prompts", help="the wide prompt set (ShareGPT turns, reasoning-gym, evals, "
@@ -261,6 +209,8 @@ def register(sub) -> None:
                                                       "draft's; default: 6 spread over the target's depth)")
     tc.add_argument("--topk", type=int, default=16)
     tc.add_argument("--max-len", type=int, default=512)
+    tc.add_argument("--feats", default="bf16", choices=FEATS,
+                    help="the features as bf16, or int8 codes with a scale per 32 values (56% of the disk)")
     tc.add_argument("--limit", type=int, default=None, help="N records only (the first N, or N from --offset)")
     tc.add_argument("--offset", type=int, default=0,
                     help="skip the first N records: cache records appended after an earlier cache in a cache of "
@@ -268,35 +218,25 @@ def register(sub) -> None:
     tc.add_argument("--threads", type=int, default=None)
     tc.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="the prefill's float type (auto: bf16 where the CPU multiplies it natively, else fp32; the "
-                         "cache stores bf16 features either way)")
+                         "features are stored as --feats says either way)")
     tc.set_defaults(func=cmd_teacher_cache)
 
     _register_heldout(sub)
 
 
 def cmd_heldout_tau(args) -> int:
-    import torch
-
-    from ..models.loading import load_target
-
     drafts = []
     for spec in args.draft:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--draft takes NAME=DIR, got {spec!r}")
         drafts.append((name, path))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target, "bf16", weights=args.weights)
-    prompts = heldout.heldout_prompts(target.tokenizer, args.set, args.prompts, args.heldout)
-    rows = heldout.heldout_tau(target, drafts, prompts, args.max_new_tokens, args.block_size, args.draft_weights)
+    rows = heldout.run_heldout_tau(heldout.HeldoutTauConfig(
+        drafts=tuple(drafts), target=args.target, prompt_set=args.set, block_size=args.block_size,
+        heldout=args.heldout, prompts=args.prompts, max_new_tokens=args.max_new_tokens, weights=args.weights,
+        draft_weights=args.draft_weights, threads=args.threads, out=args.out))
     for r in rows:
-        r.update(target=args.target, set=args.set, weights=args.weights)
         print(json.dumps(r), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     return 0
 
 

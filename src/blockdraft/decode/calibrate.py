@@ -102,8 +102,8 @@ def measure_verify_cost(target, max_width: int = MAX_WIDTH, context: int = CONTE
                                                                                      STRIDE)) | {max_width})
         # trees are costed from masked forwards (a chain-shaped ancestor mask stands in for any shape of that
         # width) and chains, which the engine verifies without a mask, from causal ones: the two are timed rather
-        # than assumed equal (on the lean bf16 path here they were, within noise: 16 tokens 35.6 vs 35.9 ms; an
-        # earlier belief that the masked path costs more came from comparing calibrations of different runs)
+        # than assumed equal (on the lean bf16 path they measured alike, within noise; an earlier belief that the
+        # masked path costs more came from comparing calibrations of different runs)
         shapes = ("tree", "chain") if tree else ("chain",)
         jobs = [(shape, w) for w in timed for shape in shapes]
         best = {job: float("inf") for job in jobs}

@@ -19,19 +19,14 @@ A chain step feeds [t, d_1..d_G] at positions n-1..n-1+G, commits a+1 tokens and
 feeds every node at position n-1+depth and keeps the accepted path's keys/values at n-1..n-1+a. With no proposer
 (G = 0) the same step is plain autoregressive decoding, the fair baseline.
 
-Each row has its own preallocated cache, so rows of any lengths share a step without padding or holes, and a row
-leaving costs nothing. On the native stack a row's numbers do not depend on the other rows (every output row gets
-the same float operations whatever the batch), so a batched row is its solo run bit for bit; the tests check
-batched == solo == naive, token for token, in fp32 on tiny random models.
+Each row has its own preallocated cache: rows of any lengths share a step without padding, and a row leaving costs
+nothing. On the native stack a row's numbers do not depend on the other rows, so a batched row is its solo run bit
+for bit (tests: batched == solo == naive, token for token, in fp32 on tiny random models).
 
-How much to draft is decided by policy.py from measured costs: per row, the width of its chain (`width_cost`:
-adaptive, else the full block); per step, whether several rows draft at all (`batch_cost`, `draft_max_batch`). A
-step that does not draft verifies each row's last token alone (its proposer's context is still kept up to date).
-`max_step_tokens` shares a budget of verified positions among the rows.
-
-Pieces: row.py (one row), step.py (propose, forward, verify per plan), stats.py (results and events), stops.py
-(stop strings and streaming).
-"""
+How much to draft is policy.py's call, from measured costs: per row, its chain's width (`width_cost`: adaptive,
+else the full block); per step, whether several rows draft at all (`batch_cost`, `draft_max_batch`); a step that
+does not draft verifies each row's last token alone. `max_step_tokens` shares a budget of verified positions.
+Pieces: row.py (a row), step.py (per plan), stats.py (results, events), stops.py (stop strings, streaming)."""
 
 from __future__ import annotations
 
@@ -164,6 +159,12 @@ class Engine:
         self._pending.append(row)
         self._by_id[rid] = row
         return rid
+
+    def proposer_of(self, request_id: Hashable) -> Proposer:
+        """The proposer of a queued or running request (a `FeatureRecorder` holds what its request recorded)."""
+        if request_id not in self._by_id:
+            raise KeyError(f"no request {request_id!r} in this engine")
+        return self._by_id[request_id].proposer
 
     def cancel(self, request_id: Hashable) -> bool:
         """Mark a request cancelled; it is dropped at the next step (with a finished event, reason "cancelled")."""
@@ -334,6 +335,8 @@ class Engine:
         first = pick_token(row.last_logits, row.sampling, row.generator)
         feats = row.prompt_features
         row.proposer.start(row.prompt, (torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]) if feats else None)
+        if row.proposer.observes_logits:
+            row.proposer.observe(row.last_logits.unsqueeze(0))
         row.prompt_features, row.last_logits = [], None
         row.stats.prefill_seconds = time.perf_counter() - row.t0
         row.tokens = torch.cat([row.prompt, first.view(1)])

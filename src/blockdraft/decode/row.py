@@ -48,7 +48,7 @@ class Sequence:
         shared: what the engine's rows measure together (`policy.SharedMeasures`)."""
         self.rid, self.prompt, self.config, self.sampling, self.text = rid, prompt, config, sampling, text
         self.proposer = proposer
-        self.block = config.block_size or proposer.block_size
+        self.block = proposer.block_size  # the engine's spec, resolved once for every row
         self.stops = stops
         self._decode = decode
         self.hold = max((len(s) for s in config.stop_strings), default=0)

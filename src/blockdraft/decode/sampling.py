@@ -15,8 +15,8 @@ from ..models.quant import loaded_kernels
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> [...] int64, exactly `logits.argmax(-1)` (the first index of the maximum; a NaN counts as
     the maximum). Float32 rows on the CPU go through the native row argmax when the kernels are loaded (a quantized
-    target loads them): over a 150k vocabulary torch's argmax took 0.66 ms for the 4 rows of a verify step, the
-    native one 0.09 ms (Intel Xeon, 2 threads)."""
+    target loads them): over a 150k vocabulary torch's argmax is several times slower (docs/results-history.md,
+    "Measurements behind the code's choices")."""
     k = loaded_kernels()
     if k is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[-1] > 0:
         return k.argmax_rows(logits)

@@ -2,7 +2,9 @@
 
 Every caller (the CLI's generate and chat, the server, the benchmark, regeneration of training data, held-out
 evaluation during training) builds its engine with `build_engine(target, draft, spec)`; the method names below are
-the one vocabulary of the CLI (`--method`), the server (`--method`) and the benchmark (`--methods`).
+the one vocabulary of the CLI (`--method`), the server (`--method`) and the benchmark (`--methods`), and each entry
+states what callers need to know of it (its draft, chain or tree, calibrated, default block). The benchmark's
+references outside the engine (Hugging Face, llama.cpp) are named once too, in `REFERENCES`.
 
 Methods (`METHODS`; `ALIASES` maps older names onto them):
 - `ar`: no draft, plain autoregressive decoding through the same engine (the baseline);
@@ -32,6 +34,7 @@ from .proposers import Proposer
 from .proposers.dflash import DFlashProposer
 from .proposers.eagle import EagleProposer
 from .proposers.lookup import PromptLookupProposer
+from .proposers.record import FeatureRecorder
 from .proposers.tree import TreeProposer
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,10 @@ class DecodeSpec:
     int4 halves the bytes again, at some cost in how often its proposals are accepted);
     batch_policy: with several rows, `measured` drafts only in steps where the calibration says it pays (policy.py),
     `always` drafts every step; recalibrate: measure the verify cost again instead of reading the cached one;
-    pld_max_ngram / pld_num_pred: prompt lookup's longest n-gram and tokens per proposal (None: the block)."""
+    pld_max_ngram / pld_num_pred: prompt lookup's longest n-gram and tokens per proposal (None: the block);
+    record_layers / record_topk: plain decoding (`ar` only) that also keeps the tapped features of these target
+    layers and the top-k logits at every position (`proposers.record.FeatureRecorder`: teacher data written in the
+    same pass as the answers)."""
 
     method: str = "dflash"
     block_size: int | None = None
@@ -66,6 +72,8 @@ class DecodeSpec:
     recalibrate: bool = False
     pld_max_ngram: int = 3
     pld_num_pred: int | None = None
+    record_layers: tuple[int, ...] = ()
+    record_topk: int = 16
 
     def __post_init__(self) -> None:
         name = ALIASES.get(self.method, self.method)
@@ -85,6 +93,11 @@ class DecodeSpec:
             raise ValueError(f"batch_policy must be one of {BATCH_POLICIES}, got {self.batch_policy!r}")
         if self.pld_max_ngram < 1:
             raise ValueError(f"pld_max_ngram must be >= 1, got {self.pld_max_ngram}")
+        if self.record_layers and name != "ar":
+            raise ValueError(f"recording teacher data runs plain decoding (method ar), not {name}")
+        if self.record_topk < 1:
+            raise ValueError(f"record_topk must be >= 1, got {self.record_topk}")
+        object.__setattr__(self, "record_layers", tuple(int(i) for i in self.record_layers))
 
     @property
     def entry(self) -> "Method":
@@ -95,13 +108,13 @@ class DecodeSpec:
         method whose draft is missing falls back as its registry entry says), the block size and the draft's
         weights made concrete."""
         method = self.entry.method_for(draft)
-        bs = self.block_size
-        if method in ("dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup"):
+        entry, bs = METHODS[method], self.block_size
+        if entry.draft == "dflash":
             bs = decode_block_size(draft, bs)
-        elif method in ("pld", "lookup-tree"):
-            bs = bs or PLD_BLOCK_SIZE
-        elif method == "eagle":
+        elif entry.draft == "eagle":
             bs = bs or draft.config.max_draft_steps + 1
+        elif entry.default_block is not None:
+            bs = bs or entry.default_block
         else:
             bs = 1
         weights = self.draft_weights
@@ -112,9 +125,15 @@ class DecodeSpec:
 
 @dataclass(frozen=True)
 class Method:
-    """A registry entry. draft: the draft it decodes with ("dflash", "eagle" or None); without one it becomes
-    `no_draft` (None: an error). proposer(target, draft, spec, verify_cost) -> the proposer (None: plain decoding).
-    calibrated: it needs the target's verify cost whatever the batch policy (adaptive width, tree budget)."""
+    """A registry entry, and what every caller asks of a method instead of listing names.
+
+    draft: the draft it decodes with ("dflash", "eagle" or None); without one it becomes `no_draft` (None: an
+    error). proposer(target, draft, spec, verify_cost) -> the proposer (None: plain decoding). calibrated: it needs
+    the target's verify cost whatever the batch policy (adaptive width, tree budget). adaptive_width: the engine
+    chooses its chain's width per step. tree: its candidates form a tree of branches (else a chain).
+    default_block: its block where neither the user nor a draft sets one (None: a draft's, or 1 without drafting).
+    drafts: it proposes tokens, so its steps report acceptance per drafted position. bench_default: in the
+    benchmark's default methods. weights_rerun: the benchmark reruns it for every extra `--weights` mode."""
 
     name: str
     summary: str
@@ -123,6 +142,11 @@ class Method:
     no_draft: str | None = None
     calibrated: Callable[[DecodeSpec], bool] = lambda spec: False
     adaptive_width: bool = False
+    tree: bool = False
+    default_block: int | None = None
+    drafts: bool = True
+    bench_default: bool = False
+    weights_rerun: bool = True
 
     def method_for(self, draft) -> str:
         if self.draft is None:
@@ -168,20 +192,88 @@ def _budget_chosen(spec: DecodeSpec) -> bool:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ar", "plain autoregressive decoding (no draft): the baseline", lambda *a: None),
+    Method("ar", "plain autoregressive decoding (no draft): the baseline", lambda *a: None, drafts=False,
+           bench_default=True),
     Method("dflash", "the DFlash draft's top-1 chain, a full block per step", _dflash, draft="dflash",
-           no_draft="ar"),
+           no_draft="ar", bench_default=True),
     Method("dflash-adaptive", "the DFlash chain, its width chosen per step from measured costs", _dflash,
            draft="dflash", no_draft="ar", calibrated=lambda spec: True, adaptive_width=True),
     Method("dflash-tree", "a tree of the DFlash draft's best branches per step", _tree(False, True),
-           draft="dflash", calibrated=_budget_chosen),
+           draft="dflash", calibrated=_budget_chosen, tree=True),
     Method("dflash+lookup", "the DFlash tree plus prompt-lookup branches", _tree(True, True), draft="dflash",
-           no_draft="lookup-tree", calibrated=_budget_chosen),
+           no_draft="lookup-tree", calibrated=_budget_chosen, tree=True),
     Method("lookup-tree", "prompt-lookup branches as a tree (no draft)", _tree(True, False),
-           calibrated=_budget_chosen),
-    Method("pld", "prompt-lookup decoding (n-gram continuations, no draft)", _pld),
-    Method("eagle", "an EAGLE-3 drafter's chain", _eagle, draft="eagle"),
+           calibrated=_budget_chosen, tree=True, default_block=PLD_BLOCK_SIZE, weights_rerun=False),
+    Method("pld", "prompt-lookup decoding (n-gram continuations, no draft)", _pld, default_block=PLD_BLOCK_SIZE,
+           bench_default=True),
+    Method("eagle", "an EAGLE-3 drafter's chain", _eagle, draft="eagle", bench_default=True, weights_rerun=False),
 )}
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A method the benchmark runs outside this registry's engines, for comparison (data only: the benchmark
+    builds its runner).
+
+    runner: "engine-hf" (the registry method `engine_method` on the target's Hugging Face modules and dynamic
+    cache), "hf" (transformers' `generate`), "llamacpp" (llama.cpp through its Python bindings) or
+    "llamacpp-server" (llama.cpp's own server). greedy_only: it runs at temperature 0 only. own_file: on the
+    target's own GGUF (else its bf16 export). draft: "dflash" (our draft exported to GGUF, llama.cpp's DFlash),
+    "family" (a smaller model of the target's family as llama.cpp's draft model), "lookup" (prompt lookup) or None.
+    plain: the plain reference on the same weights whose greedy output it is compared with. plain_llamacpp:
+    llama.cpp's plain decoding of the target's file, what the report compares our methods against."""
+
+    name: str
+    summary: str
+    runner: str
+    engine_method: str | None = None
+    greedy_only: bool = False
+    own_file: bool = True
+    draft: str | None = None
+    plain: str | None = None
+    plain_llamacpp: bool = False
+    bench_default: bool = False
+
+
+REFERENCES: dict[str, Reference] = {r.name: r for r in (
+    Reference("ar-hf", "ar on the target's Hugging Face modules", "engine-hf", engine_method="ar"),
+    Reference("dflash-hf", "dflash on the target's Hugging Face modules", "engine-hf", engine_method="dflash"),
+    Reference("hf", "transformers generate, plain", "hf"),
+    Reference("hf-pld", "transformers generate with prompt lookup", "hf", greedy_only=True, draft="lookup",
+              bench_default=True),
+    Reference("llamacpp", "llama.cpp's Python bindings, plain", "llamacpp", plain_llamacpp=True),
+    Reference("llamacpp-pld", "llama.cpp's Python bindings with prompt lookup", "llamacpp", greedy_only=True,
+              draft="lookup"),
+    Reference("llamacpp-bf16", "llama.cpp's Python bindings on the bf16 export", "llamacpp", own_file=False),
+    Reference("llamacpp-server", "llama-server, plain", "llamacpp-server", greedy_only=True, plain_llamacpp=True),
+    Reference("llamacpp-server-bf16", "llama-server on the bf16 export", "llamacpp-server", greedy_only=True,
+              own_file=False),
+    Reference("llamacpp-dflash", "llama-server with our DFlash draft", "llamacpp-server", greedy_only=True,
+              draft="dflash", plain="llamacpp"),
+    Reference("llamacpp-dflash-bf16", "llama-server with our DFlash draft on the bf16 export", "llamacpp-server",
+              greedy_only=True, own_file=False, draft="dflash", plain="llamacpp-bf16"),
+    Reference("llamacpp-spec", "llama-server with a smaller model of the family as draft model, its defaults",
+              "llamacpp-server", greedy_only=True, draft="family", plain="llamacpp-server"),
+    Reference("llamacpp-spec-n", "llama-server with a smaller model of the family as draft model, "
+              "--llamacpp-spec-n drafted tokens", "llamacpp-server", greedy_only=True, draft="family",
+              plain="llamacpp-server"),
+)}
+
+
+def registry_entry(name: str) -> Method | None:
+    """The registry entry a benchmark method name decodes with: a method (`dflash`), its weights variant
+    (`dflash@int8`) or its Hugging Face variant (`dflash-hf`); None for the other references."""
+    base = name.split("@", 1)[0]
+    ref = REFERENCES.get(base)
+    return METHODS.get(ref.engine_method if ref is not None else base)
+
+
+def proposer_taps(draft, method: str) -> tuple[int, ...]:
+    """The target layers whose features `method`'s proposer reads at every verify with this draft: what a
+    verify-cost calibration must tap to time the verify as it runs."""
+    if draft is None or METHODS[method].draft is None:
+        return ()
+    return tuple(draft.context_layer_ids if isinstance(draft, DFlashDraftModel) else draft.config.target_layer_ids)
 
 
 def build_engine(target: TargetModel, draft: DFlashDraftModel | EagleDraftModel | None, spec: DecodeSpec, *,
@@ -195,10 +287,9 @@ def build_engine(target: TargetModel, draft: DFlashDraftModel | EagleDraftModel 
     needs_cost = entry.calibrated(spec) or (spec.batch_policy == "measured" and spec.method != "ar")
     if needs_cost and verify_cost is None:
         # calibrate the verify as it will run: the proposer's taps included
-        taps = () if draft is None or entry.draft is None else (
-            draft.context_layer_ids if isinstance(draft, DFlashDraftModel) else tuple(draft.config.target_layer_ids))
-        verify_cost = load_or_measure(target, refresh=spec.recalibrate, taps=taps)
-    proposer = entry.proposer(target, draft, spec, verify_cost)
+        verify_cost = load_or_measure(target, refresh=spec.recalibrate, taps=proposer_taps(draft, spec.method))
+    proposer = (FeatureRecorder(spec.record_layers, spec.record_topk) if spec.record_layers else
+                entry.proposer(target, draft, spec, verify_cost))
     engine = Engine(target, proposer, width_cost=verify_cost if entry.adaptive_width else None,
                     batch_cost=verify_cost if spec.batch_policy == "measured" else None, **engine_kw)
     engine.spec = spec

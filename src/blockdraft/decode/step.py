@@ -120,6 +120,8 @@ def verify_chain(plan: Plan, out, n: int, tapped: bool) -> tuple[torch.Tensor, i
     row.cache.crop(n + a)
     if tapped:
         row.proposer.accept(out.features[:, : a + 1], a + 1)
+    if row.proposer.observes_logits:
+        row.proposer.observe(out.logits[0, : a + 1])
     return committed[0, : a + 1], prop.tokens.numel()
 
 

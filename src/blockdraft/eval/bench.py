@@ -52,26 +52,27 @@ import torch
 from tqdm import tqdm
 
 from ..config import GenerationConfig, SamplingParams
+from ..decode.spec import METHODS as METHODS_REGISTRY
+from ..decode.spec import REFERENCES
 from ..models.loading import encode_prompt
 from ..models.quant import WEIGHT_MODES, kernel_isa
 from ..prompts import TASKS, load_prompts_file, load_task
-from .engines import build_all
+from .engines import BENCH_METHODS, build_all
 from .external import hf_generate
-from .llamacpp_server import PLAIN_REFERENCE, ServerExited
+from .llamacpp_server import ServerExited
 from .machine import machine_info
 from .manifest import run_manifest
 from .report import fmt_temperature, make_plots, render_report, summarize_records
 
 log = logging.getLogger(__name__)
 
-# engine methods are names of the decode registry (`decode.spec`); the others are external references
-METHODS = ("ar", "dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup", "lookup-tree", "pld", "hf-pld", "eagle",
-           "ar-hf", "dflash-hf", "hf", "llamacpp", "llamacpp-pld", "llamacpp-bf16", "llamacpp-server",
-           "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16", "llamacpp-spec", "llamacpp-spec-n")
-DEFAULT_METHODS = ("ar", "dflash", "pld", "hf-pld", "eagle")
-# external references run at temperature 0 only
-GREEDY_ONLY = ("hf-pld", "llamacpp-pld", "llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash",
-               "llamacpp-dflash-bf16", "llamacpp-spec", "llamacpp-spec-n")
+# engine methods are names of the decode registry (`decode.spec.METHODS`); the others are its `REFERENCES`
+METHODS = BENCH_METHODS
+DEFAULT_METHODS = tuple(m for m in METHODS if (METHODS_REGISTRY.get(m) or REFERENCES.get(m)).bench_default)
+# external references that run at temperature 0 only
+GREEDY_ONLY = tuple(m for m, r in REFERENCES.items() if r.greedy_only)
+# a drafted reference's greedy output is compared with its plain reference's on the same weights
+PLAIN_REFERENCE = {m: r.plain for m, r in REFERENCES.items() if r.plain}
 QUICK = dict(n=2, max_new_tokens=64, temperatures=(0.0,))
 WARMUP_TOKENS = 8
 
@@ -88,7 +89,8 @@ class BenchConfig:
     block_size: int | None = None  # None: the draft's trained size (16 for pld)
     denoise_steps: int = 1
     dtype: str = "bf16"
-    weights: tuple[str, ...] = ("auto",)  # the first: every engine method; others: WEIGHTS_METHODS as `m@mode`
+    # the first: every engine method; the others: engines.weights_methods() again, as `m@mode`
+    weights: tuple[str, ...] = ("auto",)
     seed: int = 0
     prompts: str | None = None  # a user JSONL prompt file instead of the built-in tasks
     quick: bool = False  # 2 prompts per task, 64 new tokens, temperature 0
@@ -178,15 +180,15 @@ class _Runner:
         self.external = external or {}  # method -> runner with .run(ids, max_new, temperature, seed, eos, tok)
 
     def run(self, method: str, ids: list[int], temperature: float, seed: int, max_new_tokens: int) -> dict:
-        if method in ("hf", "hf-pld"):
-            pld = self.cfg.hf_pld_tokens if method == "hf-pld" else None
+        ref = REFERENCES.get(method)
+        if ref is not None and ref.runner == "hf":
+            pld = self.cfg.hf_pld_tokens if ref.draft == "lookup" else None
             return hf_generate(self.target, self.tok, ids, max_new_tokens, temperature, seed, pld)
         if method in self.external:
             return self.external[method].run(ids, max_new_tokens, temperature, seed, self.target.eos_token_ids,
                                              self.tok)
         sampling = SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, seed=seed)
-        gcfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=self.cfg.block_size,
-                                denoise_steps=self.cfg.denoise_steps)
+        gcfg = GenerationConfig(max_new_tokens=max_new_tokens)  # the block and denoising are the engine's spec
         engine = self.engines[method]
         t0 = time.perf_counter()
         res = engine.generate(ids, gcfg, sampling)

@@ -18,22 +18,32 @@ from pathlib import Path
 import torch
 
 from ..decode.calibrate import load_or_measure
-from ..decode.spec import DecodeSpec, build_engine
+from ..decode.spec import METHODS, REFERENCES, DecodeSpec, build_engine, proposer_taps, registry_entry
 from ..models.draft import DFlashDraftModel
 from ..models.eagle import EagleDraftModel
 from ..models.loading import FAMILY_DRAFT_MODELS, load_draft, load_target, resolve_draft, resolve_target
 from ..models.quant import plan_weights
 from ..models.target import TargetModel
 from .external import LlamaCpp, llamacpp_available
-from .llamacpp_server import SERVER_METHODS, SPEC_METHODS, bf16_gguf, build_server_runners
+from .llamacpp_server import bf16_gguf, build_server_runners
 
-# engine methods: registry names, and their Hugging Face path variants
-DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash+lookup")
-ENGINE_METHODS = ("ar",) + DFLASH_METHODS + ("lookup-tree", "pld", "eagle", "ar-hf", "dflash-hf")
-TREE_METHODS = ("dflash-tree", "dflash+lookup", "lookup-tree")
-# methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights
-WEIGHTS_METHODS = ("ar",) + DFLASH_METHODS + ("pld",)
-LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-bf16")
+# the benchmark's method names, in its canonical order: the registry's, then the references'
+BENCH_METHODS = tuple(METHODS) + tuple(REFERENCES)
+
+
+def engine_methods() -> tuple[str, ...]:
+    """Methods the benchmark builds an engine for: the registry's and their Hugging Face variants."""
+    return tuple(m for m in BENCH_METHODS if registry_entry(m) is not None)
+
+
+def weights_methods() -> tuple[str, ...]:
+    """Methods that run again, suffixed `@MODE`, for every weights mode after the first of --weights."""
+    return tuple(m for m, e in METHODS.items() if e.weights_rerun)
+
+
+def _uses_dflash_draft(m: str) -> bool:
+    entry, ref = registry_entry(m), REFERENCES.get(m)
+    return (entry is not None and entry.draft == "dflash") or (ref is not None and ref.draft == "dflash")
 
 
 @dataclass
@@ -73,7 +83,7 @@ def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list
     draft_model, built.draft_desc, draft_dir = _dflash_draft(cfg, target, target_name, draft, methods)
     add_engines(cfg, built, draft_model, notes)
     _add_llamacpp(cfg, built, notes)
-    if any(m in methods for m in SERVER_METHODS):
+    if any(REFERENCES[m].runner == "llamacpp-server" for m in methods if m in REFERENCES):
         built.external.update(build_server_runners(
             methods, target=cfg.target, target_gguf=gguf, bf16=cfg.llamacpp_bf16_gguf, draft_dir=draft_dir,
             draft_gguf=cfg.llamacpp_draft_gguf, draft_n=cfg.llamacpp_draft_n,
@@ -87,7 +97,7 @@ def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list
 def _spec_gguf(cfg, notes: list[str]) -> str | None:
     """The draft model for llamacpp-spec*: --llamacpp-spec-gguf, else the packaged family draft of a packaged
     target (None, noted, where it is not installed)."""
-    if cfg.llamacpp_spec_gguf or not any(m in cfg.methods for m in SPEC_METHODS):
+    if cfg.llamacpp_spec_gguf or not any(REFERENCES[m].draft == "family" for m in cfg.methods if m in REFERENCES):
         return cfg.llamacpp_spec_gguf
     family = FAMILY_DRAFT_MODELS.get(cfg.target or "")
     if family is None:
@@ -102,7 +112,7 @@ def _spec_gguf(cfg, notes: list[str]) -> str | None:
 
 def _dflash_draft(cfg, target, target_name: str, draft, methods: list[str]):
     """-> (the DFlash draft model or None, its description, its directory or None)."""
-    wanted = any(m in methods for m in DFLASH_METHODS + ("dflash-hf",) + tuple(SERVER_METHODS))
+    wanted = any(_uses_dflash_draft(m) for m in methods)
     if isinstance(draft, DFlashDraftModel):
         return draft, f"<{type(draft).__name__}>", None
     if not wanted:
@@ -119,7 +129,7 @@ def add_engines(cfg, built: Built, draft: DFlashDraftModel | None, notes: list[s
     base = DecodeSpec(block_size=cfg.block_size, denoise_steps=cfg.denoise_steps, tree_budget=cfg.tree_budget,
                       pld_max_ngram=cfg.pld_max_ngram, pld_num_pred=cfg.pld_num_pred)
     if draft is None:
-        for m in [m for m in DFLASH_METHODS + ("dflash-hf",) if m in methods]:
+        for m in [m for m in methods if registry_entry(m) is not None and registry_entry(m).draft == "dflash"]:
             methods.remove(m)
             notes.append(f"{m} skipped: no draft for target {built.target_name!r} (--draft {cfg.draft or 'default'})")
     eagle = None
@@ -129,38 +139,40 @@ def add_engines(cfg, built: Built, draft: DFlashDraftModel | None, notes: list[s
             notes.append("eagle skipped: no EAGLE draft (--eagle-draft DIR)")
         else:
             eagle = EagleDraftModel.from_pretrained(cfg.eagle_draft, dtype=target.dtype, device=target.device)
-    calibrated = [m for m in methods if m == "dflash-adaptive" or (m in TREE_METHODS and cfg.tree_budget is None)]
+    # the methods whose policy reads the verify cost, asked of the registry with the spec each will run
+    calibrated = [m for m in methods if registry_entry(m) is not None and registry_entry(m).calibrated(
+        dataclasses.replace(base, method=registry_entry(m).name))]
     cost = None
     if calibrated:
-        taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
+        taps = max((proposer_taps(draft, registry_entry(m).name) for m in calibrated), key=len)
         cost = load_or_measure(target, refresh=True, taps=taps)
-        if any(m in TREE_METHODS for m in calibrated):
+        if any(registry_entry(m).tree for m in calibrated):
             notes.append(f"tree budget chosen per step from a verify-cost calibration measured at start: verifying "
                          f"16 / 64 tokens costs {cost(16) / cost(1):.2f}x / {cost(64) / cost(1):.2f}x one token "
                          f"({1e3 * cost(1):.1f} ms)")
     slow = None
-    if any(m in methods for m in ("ar-hf", "dflash-hf")):
+    if any(m in REFERENCES and REFERENCES[m].runner == "engine-hf" for m in methods):
         if target.lean is None:
             notes.append(f"ar-hf/dflash-hf equal ar/dflash here: the lean path does not run this target "
                          f"({target.lean_reason})")
         # the same HF model and weights, decoded through the HF modules and their dynamic cache
         slow = TargetModel(target.hf, target.tokenizer, lean=False)
-    for m in [m for m in methods if m in ENGINE_METHODS]:
-        name = m.removesuffix("-hf")
-        on = slow if m.endswith("-hf") else target
-        spec = dataclasses.replace(base, method=name, block_size=cfg.gamma + 1 if name == "eagle" else cfg.block_size)
-        engine = build_engine(on, eagle if name == "eagle" else draft if name != "ar" else None, spec,
-                              verify_cost=cost, tokenizer=built.tokenizer)
+    for m in [m for m in methods if m in engine_methods()]:
+        entry = registry_entry(m)
+        on = slow if m in REFERENCES else target  # a reference here is a Hugging Face variant
+        spec = dataclasses.replace(base, method=entry.name,
+                                   block_size=cfg.gamma + 1 if entry.draft == "eagle" else cfg.block_size)
+        engine = build_engine(on, {"eagle": eagle, "dflash": draft}.get(entry.draft), spec, verify_cost=cost,
+                              tokenizer=built.tokenizer)
         built.engines[m] = engine
-        block = engine.proposer.block_size
-        built.block_sizes[m] = block if name in ("ar", "eagle") else cfg.block_size or block
+        built.block_sizes[m] = engine.spec.block_size
 
 
 def _add_llamacpp(cfg, built: Built, notes: list[str]) -> None:
     """llama.cpp through llama-cpp-python on the target's GGUF (or its bf16 export)."""
-    for m in [m for m in LLAMACPP_METHODS if m in built.methods]:
+    for m in [m for m in built.methods if m in REFERENCES and REFERENCES[m].runner == "llamacpp"]:
         why, file = llamacpp_available(), built.gguf
-        if why is None and m == "llamacpp-bf16":
+        if why is None and not REFERENCES[m].own_file:
             try:
                 file = str(bf16_gguf(cfg.target, cfg.llamacpp_bf16_gguf))
             except (OSError, ValueError) as e:
@@ -172,18 +184,18 @@ def _add_llamacpp(cfg, built: Built, notes: list[str]) -> None:
             notes.append(f"{m} skipped: {why}")
             continue
         threads = cfg.threads or torch.get_num_threads()
-        pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if m == "llamacpp-pld" else None
+        pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if REFERENCES[m].draft == "lookup" else None
         built.external[m] = LlamaCpp(file, threads, min(built.target.max_context, 4096), pld)
         notes.append(f"{m}: llama.cpp on {Path(file).name} (its own kernels), {threads} threads")
 
 
 def _add_weights_engines(cfg, built: Built, draft, mode: str, notes: list[str]) -> None:
-    """The requested WEIGHTS_METHODS again on the same HF model with weights `mode`, as `method@mode` (their own
-    verify-cost calibration included)."""
+    """The requested `weights_methods()` again on the same HF model with weights `mode`, as `method@mode` (their
+    own verify-cost calibration included)."""
     target = built.target
     other = TargetModel(target.hf, target.tokenizer, weights=plan_weights(mode, target.hf, built.gguf))
     sub_cfg = dataclasses.replace(cfg, weights=(mode,))
-    sub = Built(other, built.target_name, built.tokenizer, [m for m in built.methods if m in WEIGHTS_METHODS])
+    sub = Built(other, built.target_name, built.tokenizer, [m for m in built.methods if m in weights_methods()])
     add_engines(sub_cfg, sub, draft, notes)
     for m in sub.methods:
         name = f"{m}@{mode}"

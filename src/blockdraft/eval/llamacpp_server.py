@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from ..config import cache_dir
+from ..decode.spec import REFERENCES
 from ..export.gguf import cached_gguf
 
 SERVER = "llama-server"
@@ -218,15 +219,10 @@ class ServerRunner:
 
 
 # ------------------------------------------------------------------------------------------ the bench's methods
-# llama-server plain (llama.cpp at its fastest: no Python bindings per token) and with our DFlash draft, on the
-# target's own GGUF and on its bf16 export
-# and llama.cpp's classic speculative decoding with a smaller model of the target's family as the draft model
-# (`-md`): at llama.cpp's default draft settings (`llamacpp-spec`) and at a chosen draft length (`llamacpp-spec-n`)
-SERVER_METHODS = ("llamacpp-server", "llamacpp-server-bf16", "llamacpp-dflash", "llamacpp-dflash-bf16",
-                  "llamacpp-spec", "llamacpp-spec-n")
-SPEC_METHODS = ("llamacpp-spec", "llamacpp-spec-n")
-PLAIN_REFERENCE = {"llamacpp-dflash": "llamacpp", "llamacpp-dflash-bf16": "llamacpp-bf16",  # same GGUF, no draft
-                   "llamacpp-spec": "llamacpp-server", "llamacpp-spec-n": "llamacpp-server"}
+# The server's methods are the `REFERENCES` of the decode registry run by "llamacpp-server": plain (llama.cpp at
+# its fastest, no Python bindings per token) and with our DFlash draft, on the target's own GGUF and on its bf16
+# export, and llama.cpp's classic speculative decoding with a smaller model of the target's family as the draft
+# model (`-md`) at llama.cpp's default draft settings and at a chosen draft length.
 
 
 def default_draft_n(draft_dir: str | Path) -> int:
@@ -250,22 +246,21 @@ def build_server_runners(methods: list[str], *, target: str | None, target_gguf:
     """A started `ServerRunner` per requested `llamacpp-server*` / `llamacpp-dflash*` method; a method that cannot
     run is removed from `methods` with a note saying why. The caller closes the servers (`runner.server.close()`)."""
     out: dict[str, ServerRunner] = {}
-    for m in SERVER_METHODS:
-        if m not in methods:
-            continue
-        drafted, own_file = "dflash" in m, not m.endswith("-bf16")
+    for m in [m for m, r in REFERENCES.items() if r.runner == "llamacpp-server" and m in methods]:
+        ref = REFERENCES[m]
+        drafted, own_file = ref.draft == "dflash", ref.own_file
         why = server_missing()
         if why is None and drafted and draft_dir is None and draft_gguf is None:
             why = "no DFlash draft (--draft DIR, or --llamacpp-draft-gguf FILE)"
-        if why is None and m in SPEC_METHODS and not spec_gguf:
+        if why is None and ref.draft == "family" and not spec_gguf:
             why = "no draft model of the target's family (--llamacpp-spec-gguf FILE)"
         if why is None and own_file and not target_gguf:
             why = "no GGUF file for the target (--llamacpp-gguf PATH)"
         if why is None:
             try:
                 model = Path(target_gguf) if own_file else bf16_gguf(target, bf16)
-                if m in SPEC_METHODS:
-                    n = spec_n if m == "llamacpp-spec-n" else None
+                if ref.draft == "family":
+                    n = spec_n if m == "llamacpp-spec-n" else None  # the other keeps llama.cpp's default
                     out[m] = ServerRunner(LlamaServer(model, threads, n_ctx, spec_gguf, n, spec_type="draft-simple"))
                     notes.append(f"{m}: llama-server on {model.name} + draft model {Path(spec_gguf).name} "
                                  f"({'llama.cpp default draft settings' if n is None else f'{n} drafted tokens max'}"

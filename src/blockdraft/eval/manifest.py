@@ -7,6 +7,7 @@ work tree had uncommitted changes.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -77,3 +78,16 @@ def run_manifest(*, command: str, draft: str | Path | None, target_file: str | P
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "weights": weights,
     }
+
+
+def config_command(subcommand: str, cfg) -> str:
+    """The `blockdraft SUBCOMMAND` command line of a tool's config (a dataclass whose fields are its flags): every
+    field set, defaults included, so the record still says what ran after a default changes; `out` left out."""
+    parts = [f"blockdraft {subcommand}"]
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None or v is False or f.name == "out":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {','.join(map(str, v)) if isinstance(v, tuple) else v}")
+    return " ".join(parts)

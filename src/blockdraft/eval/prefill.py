@@ -19,19 +19,49 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import GenerationConfig, SamplingParams
-from ..decode.spec import DecodeSpec, build_engine
+from ..decode.spec import METHODS as REGISTRY
+from ..decode.spec import REFERENCES, DecodeSpec, build_engine
 from ..models.loading import encode_prompt, load_draft, load_target, resolve_draft
 from ..prompts import load_task
 from .llamacpp_server import LlamaServer, server_missing
 from .machine import machine_info
-from .manifest import run_manifest
+from .manifest import config_command, run_manifest
 
-METHODS = ("ar", "dflash", "llamacpp-server")
+# what a prefill can differ in: plain decoding's, a DFlash method's (the draft's taps and its proposer's start:
+# the same for every DFlash method) and llama-server's, each asked of the decode registry
+METHODS = (next(m for m, e in REGISTRY.items() if not e.drafts),
+           next(m for m, e in REGISTRY.items() if e.draft == "dflash"),
+           next(m for m, r in REFERENCES.items() if r.runner == "llamacpp-server" and r.plain_llamacpp))
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """`blockdraft prefill-bench` (see above): one prompt of each of tokens lengths per method of methods (METHODS),
+    rounds rotating the order, on threads threads; draft: dflash's draft (None: the target's shipped one);
+    llamacpp_gguf: llama-server's GGUF (None: the target's own file); out: also write the figures as JSON."""
+
+    target: str | None = None
+    dtype: str = "bf16"
+    draft: str | None = None
+    tokens: tuple[int, ...] = (512,)
+    methods: tuple[str, ...] = METHODS
+    rounds: int = 5
+    threads: int = 2
+    llamacpp_gguf: str | None = None
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"--methods: unknown {bad or 'empty list'}; choose among {', '.join(METHODS)}")
+        if not self.tokens or any(n < 1 for n in self.tokens) or self.rounds < 1:
+            raise ValueError("--tokens and --rounds must be positive")
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -47,24 +77,15 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return list(ids[:n])
 
 
-def run(args) -> int:
+def run(cfg: PrefillConfig) -> int:
     """`blockdraft prefill-bench` (see above)."""
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise SystemExit(f"--methods: unknown {bad or 'empty list'}; choose among {', '.join(METHODS)}")
-    try:
-        lengths = [int(x) for x in args.tokens.split(",")]
-    except ValueError:
-        raise SystemExit(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-    if not lengths or any(n < 1 for n in lengths) or args.rounds < 1:
-        raise SystemExit("--tokens and --rounds must be positive")
-    target, src = load_target(args.target, args.dtype, weights="auto")
+    methods, lengths = list(cfg.methods), list(cfg.tokens)
+    target, src = load_target(cfg.target, cfg.dtype, weights="auto")
     if max(lengths) + 2 > target.max_context:
         raise SystemExit(f"--tokens {max(lengths)} exceeds the target's context of {target.max_context}")
-    gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else (
+    gguf = Path(cfg.llamacpp_gguf) if cfg.llamacpp_gguf else (
         Path(src.path) / src.gguf_file if src.gguf_file else None)
     notes: list[str] = []
 
@@ -73,7 +94,7 @@ def run(args) -> int:
     if "ar" in methods:
         runners["ar"] = _engine_runner(build_engine(target, None, DecodeSpec("ar")))
     if "dflash" in methods:
-        draft_dir = resolve_draft(args.draft, src.name)
+        draft_dir = resolve_draft(cfg.draft, src.name)
         if draft_dir is None:
             raise SystemExit("dflash needs a draft: this target has no shipped one (--draft DIR)")
         runners["dflash"] = _engine_runner(build_engine(target, load_draft(draft_dir, target), DecodeSpec("dflash")))
@@ -82,7 +103,7 @@ def run(args) -> int:
         why = server_missing() or (None if gguf is not None else
                                    "the target is not a GGUF file (--llamacpp-gguf PATH)")
         if why is None:
-            server = LlamaServer(gguf, args.threads, max(lengths) + 16)
+            server = LlamaServer(gguf, cfg.threads, max(lengths) + 16)
             runners["llamacpp-server"] = _server_runner(server)
         else:
             notes.append(f"llamacpp-server skipped: {why}")
@@ -95,7 +116,7 @@ def run(args) -> int:
         for name in order:  # warm-up: first calls allocate and touch every weight
             runners[name](prompts[lengths[0]])
         secs: dict[str, dict[int, list[float]]] = {m: {n: [] for n in lengths} for m in order}
-        for r in range(args.rounds):
+        for r in range(cfg.rounds):
             rot = order[r % len(order):] + order[:r % len(order)]
             for n in lengths:
                 for name in rot:
@@ -113,7 +134,7 @@ def run(args) -> int:
             if m != "llamacpp-server":
                 ratios[m] = {n: statistics.median(ll / ours for ours, ll in zip(secs[m][n], secs["llamacpp-server"][n]))
                              for n in lengths}
-    print(f"prefill, tokens/s (median of {args.rounds} rounds), {args.threads} threads")
+    print(f"prefill, tokens/s (median of {cfg.rounds} rounds), {cfg.threads} threads")
     print("| method | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
     print("|---|" + "---:|" * len(lengths))
     for m in order:
@@ -126,14 +147,11 @@ def run(args) -> int:
         print(f"| {m} | " + " | ".join(cells) + " |")
     if ratios:
         print("(x: paired per round against llamacpp-server's own prompt timing)")
-    if args.out:
-        out = Path(args.out)
+    if cfg.out:
+        out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        command = "blockdraft prefill-bench " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if v is not None and k not in ("out", "func", "command"))
         out.write_text(json.dumps({
-            "manifest": run_manifest(command=command, draft=draft_dir, target_file=gguf),
+            "manifest": run_manifest(command=config_command("prefill-bench", cfg), draft=draft_dir, target_file=gguf),
             "machine": machine_info(), "weights": target.weights.describe(), "notes": notes,
             "seconds": {m: {str(n): v for n, v in by_n.items()} for m, by_n in secs.items()},
             "median": {m: {str(n): v for n, v in by_n.items()} for m, by_n in table.items()},

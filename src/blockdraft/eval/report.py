@@ -6,10 +6,20 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..decode.spec import REFERENCES, registry_entry
 from . import metrics
 
-# methods that draft tokens (per-position acceptance, draft share)
-DRAFTING_METHODS = ("dflash", "dflash-tree", "dflash+lookup", "pld", "eagle", "dflash-hf")
+
+def drafts(method: str) -> bool:
+    """Whether a benchmark method drafts tokens through the engine (per-position acceptance, draft share): asked of
+    the decode registry, for its methods, their `@MODE` weights variants and their Hugging Face variants."""
+    entry = registry_entry(method)
+    return entry is not None and entry.drafts
+
+
+def _drafting(methods) -> list[str]:
+    """The drafting methods among `methods`, in their order, once each."""
+    return list(dict.fromkeys(m for m in methods if drafts(m)))
 
 
 def fmt_temperature(t: float) -> str:
@@ -43,8 +53,8 @@ def summarize_records(records: list[dict], methods: list[str], block_sizes: dict
 
 # llama.cpp decoding plainly on the target's own file: the reference a CPU user already has; and its speculative
 # decoding with a smaller model of the family as the draft model, what that user can switch on
-LLAMACPP_PLAIN = ("llamacpp", "llamacpp-server")
-LLAMACPP_SPEC = ("llamacpp-spec", "llamacpp-spec-n")
+LLAMACPP_PLAIN = tuple(m for m, r in REFERENCES.items() if r.plain_llamacpp)
+LLAMACPP_SPEC = tuple(m for m, r in REFERENCES.items() if r.draft == "family")
 
 
 def _against_llamacpp(rows: list[dict], by_m: dict, refs: tuple[str, ...], key: str) -> None:
@@ -106,7 +116,7 @@ def _row(task: str, method: str, mine: dict, ar: dict, block_size: int | None) -
                               "steps": steps}
         row["tau"] = metrics.pooled_tau(r["accept_lengths"] for r in rs)
         row["draft_share"] = metrics.share((r["draft_seconds"] for r in rs), (r["decode_seconds"] for r in rs))
-        if method in DRAFTING_METHODS and block_size:
+        if drafts(method) and block_size:
             steps = [a for r in rs for a in r["accept_lengths"]]
             row["accept_hist"] = metrics.accept_length_histogram(steps, block_size)
             acc, tri = metrics.sum_position_counts((r["position_accepted"], r["position_trials"]) for r in rs)
@@ -167,22 +177,17 @@ def render_report(results: dict) -> str:
                          f"{fmt_num((r['decode_tokens_per_s'] or {}).get('median'), '{:.1f}')} | "
                          f"{fmt_speedup(r['decode_speedup'])} | {fmt_speedup(r['e2e_speedup'])} | {share} | {match} |")
         lines.append("")
-        vrows = [r for r in block["rows"] if r.get("vs_llamacpp")]
-        if vrows:
-            lines += _section(f"### Against llama.cpp's plain decoding (T={tkey})",
-                              "Decode tokens/s over that of the faster of llama.cpp's plain methods in this run (by "
-                              "median), paired per prompt: median [min–max].",
-                              "| task | method | against | decode speedup |", "|---|---|---|---|",
-                              [f"| {r['task']} | {r['method']} | {r['vs_llamacpp']['against']} | "
-                               f"{fmt_speedup(r['vs_llamacpp'])} |" for r in vrows])
-        srows = [r for r in block["rows"] if r.get("vs_llamacpp_spec")]
-        if srows:
-            lines += _section(f"### Against llama.cpp's speculative decoding (T={tkey})",
-                              "Decode tokens/s over that of the faster of llama.cpp's speculative methods with a "
-                              "draft model (`llamacpp-spec*`) in this run (by median), paired per prompt.",
-                              "| task | method | against | decode speedup |", "|---|---|---|---|",
-                              [f"| {r['task']} | {r['method']} | {r['vs_llamacpp_spec']['against']} | "
-                               f"{fmt_speedup(r['vs_llamacpp_spec'])} |" for r in srows])
+        for key, what, which in (("vs_llamacpp", "plain decoding", "plain methods"),
+                                  ("vs_llamacpp_spec", "speculative decoding",
+                                   "speculative methods with a draft model (`llamacpp-spec*`)")):
+            vrows = [r for r in block["rows"] if r.get(key)]
+            if vrows:
+                lines += _section(f"### Against llama.cpp's {what} (T={tkey})",
+                                  f"Decode tokens/s over that of the faster of llama.cpp's {which} in this run (by "
+                                  "median), paired per prompt: median [min–max].",
+                                  "| task | method | against | decode speedup |", "|---|---|---|---|",
+                                  [f"| {r['task']} | {r['method']} | {r[key]['against']} | {fmt_speedup(r[key])} |"
+                                   for r in vrows])
         lrows = [r for r in block["rows"] if r.get("llamacpp")]
         if lrows:
             lines += [f"### llama.cpp's speculative decoding (T={tkey})", "",
@@ -219,7 +224,7 @@ def render_report(results: dict) -> str:
                               "| task | method | nodes per step | tau | draft skipped |", "|---|---|---:|---:|---:|",
                               [f"| {r['task']} | {r['method']} | {r['tree_nodes_mean']:.1f} | {fmt_num(r['tau'])} | "
                                f"{fmt_num(r.get('draft_skip_share'), '{:.0%}')} |" for r in trows])
-        for meth in DRAFTING_METHODS:
+        for meth in _drafting(r["method"] for r in block["rows"]):
             rows = [r for r in block["rows"] if r["method"] == meth and r["position_rate"] is not None]
             if not rows:
                 continue
@@ -279,7 +284,7 @@ def make_plots(summary: dict, methods: list[str], out_dir: Path) -> list[str]:
                 if present:
                     ax.legend()
             files.append(_save(fig, out_dir, "speedup", tkey))
-        for m in DRAFTING_METHODS:
+        for m in _drafting(r["method"] for r in rows):
             drows = [r for r in rows if r["method"] == m and r["accept_hist"] is not None]
             if not drows:
                 continue

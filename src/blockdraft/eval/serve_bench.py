@@ -22,13 +22,14 @@ Prompts: the bench's math, code and chat tasks (`--n` each), which no draft trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -36,7 +37,25 @@ from ..config import GenerationConfig
 from ..decode.spec import DecodeSpec, build_engine
 from ..models.loading import encode_prompt, load_draft, load_target, resolve_draft
 from ..prompts import load_task
-from .soak import ServerProcess  # the soak test's server launcher: same process, flags and readiness probe
+from .soak import ServerOptions, ServerProcess  # the soak test's server launcher: same process and readiness probe
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """`blockdraft serve-bench`: server is the config every method's server starts from (its target, draft, dtype
+    and threads are also the in-process engine's; host 127.0.0.1, port 0); each of methods (names of the
+    decode registry) gets one server, `ar`'s without a draft. n prompts of each of tasks, max_tokens per answer;
+    each concurrency level runs until max(level, min_requests) requests completed; out: also write the markdown
+    there (and a .json next to it)."""
+
+    server: ServerOptions
+    methods: tuple[str, ...] = ("ar", "dflash")
+    tasks: tuple[str, ...] = ("math", "code", "chat")
+    n: int = 3
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    min_requests: int = 8
+    max_tokens: int = 96
+    out: str | None = None
 
 
 def stream_one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -114,27 +133,25 @@ def resident_gb(pid: int) -> dict[str, float | None]:
     return out
 
 
-def run(args) -> int:
-    """`blockdraft serve-bench`: the comparison above, printed as markdown (and written to args.out)."""
+def run(bench: ServeBenchConfig) -> int:
+    """`blockdraft serve-bench`: the comparison above, printed as markdown (and written to bench.out)."""
     from openai import OpenAI  # a test dependency, needed only here
 
-    torch.set_num_threads(args.threads)
+    srv = bench.server
+    torch.set_num_threads(srv.threads)
     torch.set_grad_enabled(False)
-    target, src = load_target(args.target, args.dtype)
-    prompts = [q for t in args.tasks.split(",") for q in load_task(t, n=args.n, seed=0)]
+    target, src = load_target(srv.target, srv.dtype)
+    prompts = [q for t in bench.tasks for q in load_task(t, n=bench.n, seed=0)]
     messages = [q.messages for q in prompts]
-    cfg = GenerationConfig(max_new_tokens=args.max_tokens)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    draft_path = resolve_draft(args.draft, src.name)
+    cfg = GenerationConfig(max_new_tokens=bench.max_tokens)
+    draft_path = resolve_draft(srv.draft, src.name)
     draft = load_draft(draft_path, target) if draft_path is not None else None
     rows, solo = [], []
-    for method in args.methods.split(","):
+    for method in bench.methods:
         engine = build_engine(target, draft, DecodeSpec(method))
-        server_args = SimpleNamespace(max_batch=args.max_batch, max_queue=256, max_tokens=args.max_tokens,
-                                      dtype=args.dtype, threads=args.threads, target=args.target,
-                                      draft="none" if method == "ar" else args.draft, method=method)
         log = Path(f"/tmp/serve-bench-{method}.log")
-        server = ServerProcess(server_args, log)
+        server = ServerProcess(dataclasses.replace(srv, method=method, draft="none" if method == "ar" else srv.draft),
+                               log)
         try:
             client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
             model = client.models.list().data[0].id
@@ -144,29 +161,29 @@ def run(args) -> int:
                 t0 = time.perf_counter()
                 res = engine.generate(encode_prompt(target.tokenizer, msgs), cfg)
                 wall = time.perf_counter() - t0
-                http = plain_one(client, model, msgs, args.max_tokens)
+                http = plain_one(client, model, msgs, bench.max_tokens)
                 solo.append({"method": method, "prompt": q.id, "generate_decode_tok_s": res.stats.decode_tokens_per_s,
                              "generate_e2e_tok_s": len(res.token_ids) / wall, "generate_tau": res.stats.tau,
                              "serve_decode_tok_s": http["decode_tok_s"], "serve_e2e_tok_s": http["e2e_tok_s"],
                              "serve_tau": http["tau"], "tokens": http["tokens"], "same_tokens":
                              http["tokens"] == len(res.token_ids)})
                 print(json.dumps(solo[-1]), file=sys.stderr, flush=True)
-            for c in levels:
-                r = level(client, model, messages, c, max(c, args.min_requests), args.max_tokens)
+            for c in bench.concurrency:
+                r = level(client, model, messages, c, max(c, bench.min_requests), bench.max_tokens)
                 r.update(method=method, **resident_gb(server.proc.pid))
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:
             server.stop()
 
-    lines = [f"target {src.name} ({args.dtype}, weights {target.weights.describe()}), draft "
-             f"{draft_path.name if draft_path else 'none'}, greedy, max_tokens {args.max_tokens}, threads "
-             f"{args.threads}, {len(prompts)} prompts ({args.tasks}), max_batch {args.max_batch}", "",
+    lines = [f"target {src.name} ({srv.dtype}, weights {target.weights.describe()}), draft "
+             f"{draft_path.name if draft_path else 'none'}, greedy, max_tokens {bench.max_tokens}, threads "
+             f"{srv.threads}, {len(prompts)} prompts ({','.join(bench.tasks)}), max_batch {srv.max_batch}", "",
              "Concurrency 1, prompt by prompt (medians; ratios paired per prompt): `blockdraft generate`'s engine "
              "in-process vs the server through HTTP", "",
              "| method | generate decode tok/s | serve decode tok/s | serve / generate | generate e2e tok/s | "
              "serve e2e tok/s | serve / generate (e2e) | tau |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for method in args.methods.split(","):
+    for method in bench.methods:
         s = [x for x in solo if x["method"] == method]
 
         def med(key: str) -> float:
@@ -194,8 +211,8 @@ def run(args) -> int:
                      f"{gb(r.get('peak_gb'))} |")
     md = "\n".join(lines)
     print(md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(md + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps({"solo": solo, "levels": rows}, indent=1) + "\n")
+    if bench.out:
+        Path(bench.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench.out).write_text(md + "\n")
+        Path(bench.out).with_suffix(".json").write_text(json.dumps({"solo": solo, "levels": rows}, indent=1) + "\n")
     return 0

@@ -27,14 +27,15 @@ import json
 import os
 import random
 import re
-import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from .soak_report import markdown, summarize
 
@@ -61,21 +62,52 @@ INVALID = [  # (name, raw body): each must get a 4xx with an OpenAI-style error
 
 
 # ------------------------------------------------------------------------------------------------- server
+class ServerOptions(Protocol):
+    """What the soak test and the serving benchmark read of the server's typed config (`serve.config.ServeConfig`,
+    made by the CLI): eval talks to a server through its command line and HTTP only, so it does not import serve."""
+
+    target: str | None
+    draft: str | None
+    dtype: str
+    method: str
+    host: str
+    port: int
+    max_batch: int
+    max_queue: int
+    max_tokens_cap: int
+    threads: int | None
+
+    def argv(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """`blockdraft soak`: server is the server under test (host 127.0.0.1, port 0: a free loopback port; its
+    max_batch, max_queue and max_tokens_cap also shape the load); the load runs for minutes with concurrency client
+    threads, a burst above the queue limit every burst_every seconds, timeout seconds per request (then: lost), RSS
+    readings counted after warmup seconds and allowed to grow by rss_tolerance; command: the command line, recorded
+    in the report."""
+
+    server: ServerOptions
+    minutes: float = 10.0
+    concurrency: int = 6
+    burst_every: float = 60.0
+    timeout: float = 300.0
+    warmup: float = 30.0
+    rss_tolerance: float = 0.05
+    seed: int = 0
+    out: str = "benchmarks/soak"
+    command: str = ""
+
+
 class ServerProcess:
-    def __init__(self, args, log_path: Path) -> None:
-        """A `blockdraft serve` process on a free loopback port, from args: max_batch, max_queue, max_tokens (the
-        server's cap), dtype, threads, target, draft (None: the defaults)."""
-        cmd = [sys.executable, "-m", "blockdraft.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-               "--max-tokens-cap", str(args.max_tokens), "--dtype", args.dtype]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        if args.target:
-            cmd += ["--target", args.target]
-        if args.draft:
-            cmd += ["--draft", args.draft]
-        if getattr(args, "method", None):  # the soak test serves the default method
-            cmd += ["--method", args.method]
+    def __init__(self, server: ServerOptions, log_path: Path) -> None:
+        """A `blockdraft serve` process started with the flags of server's config (`argv`), which must ask for a
+        free loopback port (host 127.0.0.1, port 0)."""
+        if server.host != "127.0.0.1" or server.port != 0:
+            raise ValueError(f"a server process listens on a free loopback port (host 127.0.0.1, port 0), not "
+                             f"{server.host}:{server.port}")
+        cmd = [sys.executable, "-m", "blockdraft.cli", "serve", *server.argv()]
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -233,34 +265,35 @@ def one_request(port: int, path: str, body: bytes, stream: bool, abandon: bool, 
     return rec
 
 
-def client_loop(i: int, args, port: int, model: str, deadline: float, tally: Tally) -> None:
-    rng = random.Random(args.seed * 1000 + i)
+def client_loop(i: int, cfg: SoakConfig, port: int, model: str, deadline: float, tally: Tally) -> None:
+    max_tokens, timeout = cfg.server.max_tokens_cap, cfg.timeout
+    rng = random.Random(cfg.seed * 1000 + i)
     while time.time() < deadline:
         r = rng.random()
         if r < 0.1:
             name, raw = rng.choice(INVALID)
             rec = one_request(port, "/v1/chat/completions", raw.replace(b'"M"', json.dumps(model).encode()),
-                              False, False, args.timeout)
+                              False, False, timeout)
             rec["kind"], rec["invalid"] = "invalid", name
         elif r < 0.2:
             body = {"model": model, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "stream": True,
-                    "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
-            rec = one_request(port, "/v1/chat/completions", json.dumps(body).encode(), True, True, args.timeout)
+                    "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+            rec = one_request(port, "/v1/chat/completions", json.dumps(body).encode(), True, True, timeout)
             rec["kind"] = "abandon"
         else:
             stream = rng.random() < 0.5
-            path, body = _valid_body(rng, model, args.max_tokens, stream)
-            rec = one_request(port, path, json.dumps(body).encode(), stream, False, args.timeout)
+            path, body = _valid_body(rng, model, max_tokens, stream)
+            rec = one_request(port, path, json.dumps(body).encode(), stream, False, timeout)
             rec["kind"], rec["max_tokens"] = "valid", body["max_tokens"]
         tally.add(rec)
 
 
-def burst(args, port: int, model: str, tally: Tally, n: int) -> None:
+def burst(timeout: float, port: int, model: str, tally: Tally, n: int) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Count to five."}],
                        "max_tokens": 16, "temperature": 0}).encode()
 
     def go():
-        rec = one_request(port, "/v1/chat/completions", body, False, False, args.timeout)
+        rec = one_request(port, "/v1/chat/completions", body, False, False, timeout)
         rec["kind"] = "burst"
         tally.add(rec)
 
@@ -289,14 +322,13 @@ def scrape(server: ServerProcess) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- main
-def run(args) -> int:
+def run(cfg: SoakConfig) -> int:
     """`blockdraft soak`: run the load (see above), write OUT/report.json and OUT/report.md; 1 if a check failed."""
-    args.command = shlex.join(["blockdraft", *sys.argv[1:]])
-    out = Path(args.out)
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()
-    server = ServerProcess(args, out / "server.log")
+    server = ServerProcess(cfg.server, out / "server.log")
     exit_code = None
     try:
         model = json.loads(server.request("GET", "/v1/models")[1])["data"][0]["id"]
@@ -314,16 +346,16 @@ def run(args) -> int:
         sampler.start()
         tally = Tally()
         t0 = time.time()
-        deadline = t0 + args.minutes * 60
-        clients = [threading.Thread(target=client_loop, args=(i, args, server.port, model, deadline, tally))
-                   for i in range(args.concurrency)]
+        deadline = t0 + cfg.minutes * 60
+        clients = [threading.Thread(target=client_loop, args=(i, cfg, server.port, model, deadline, tally))
+                   for i in range(cfg.concurrency)]
         for t in clients:
             t.start()
-        next_burst = t0 + min(args.burst_every, args.minutes * 30)
+        next_burst = t0 + min(cfg.burst_every, cfg.minutes * 30)
         while time.time() < deadline:
             if time.time() >= next_burst:
-                burst(args, server.port, model, tally, args.max_batch + args.max_queue + 6)
-                next_burst += args.burst_every
+                burst(cfg.timeout, server.port, model, tally, cfg.server.max_batch + cfg.server.max_queue + 6)
+                next_burst += cfg.burst_every
             time.sleep(0.5)
         for t in clients:
             t.join()
@@ -339,7 +371,7 @@ def run(args) -> int:
         last = probe(server, model)
     finally:
         exit_code = server.stop()
-    rep = summarize(args, tally, rss, t0 + args.warmup, end, (first, last), metrics_before, metrics_after, health,
+    rep = summarize(cfg, tally, rss, t0 + cfg.warmup, end, (first, last), metrics_before, metrics_after, health,
                     exit_code, time.time() - t_start)
     (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     (out / "report.md").write_text(markdown(rep))

@@ -3,6 +3,7 @@ markdown."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import statistics
 from collections import Counter
@@ -15,9 +16,19 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
-def summarize(args, tally, rss: list[tuple[float, int]], warmup_end: float, end: float, probes: tuple,
+def config_of(cfg) -> dict:
+    """The report's record of a run's options (`soak.SoakConfig`), under the names of `blockdraft soak`'s flags."""
+    server = cfg.server
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("server", "out")}
+    out.update(target=server.target, draft=server.draft, dtype=server.dtype, max_batch=server.max_batch,
+               max_queue=server.max_queue, max_tokens=server.max_tokens_cap, threads=server.threads)
+    return out
+
+
+def summarize(cfg, tally, rss: list[tuple[float, int]], warmup_end: float, end: float, probes: tuple,
               metrics_before: dict, metrics_after: dict, health: dict, exit_code: int | None, wall: float) -> dict:
-    """The report of a soak run: tally is what the clients saw (`soak.Tally`), rss the server's (time, bytes)."""
+    """The report of a soak run of cfg (`soak.SoakConfig`): tally is what the clients saw (`soak.Tally`), rss the
+    server's (time, bytes)."""
     recs = tally.records
     statuses = Counter(r["status"] for r in recs)
     four = Counter(f'{r["status"]} {r.get("code")}' for r in recs if r["status"] and 400 <= r["status"] < 500)
@@ -55,14 +66,14 @@ def summarize(args, tally, rss: list[tuple[float, int]], warmup_end: float, end:
         "none_duplicated": dup_ids == 0,
         "invalid_got_4xx": not invalid_not_4xx,
         "max_tokens_respected": not over_cap,
-        "rss_flat": growth is not None and growth <= args.rss_tolerance,
+        "rss_flat": growth is not None and growth <= cfg.rss_tolerance,
         "probe_identical": probes[0] == probes[1],
         "server_counts_match_clients": {k: v for k, v in server_by_status.items() if v} == dict(client_by_status),
         "server_no_engine_errors": health.get("errors") == 0 and health.get("worker_alive") is True,
         "clean_exit": exit_code in (0, -signal.SIGTERM),
     }
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config_of(cfg),
         "wall_seconds": round(wall, 1),
         "requests_sent": len(recs),
         "completed_200": len(ok),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,16 +44,41 @@ from ..models.loading import DEFAULT_TARGET, load_draft, load_target, resolve_dr
 from ..models.quant import QuantLinear, quant_kernels
 from ..models.target import TargetModel
 from .machine import machine_info
+from .manifest import config_command
+
+@dataclass(frozen=True)
+class StepProfileConfig:
+    """`blockdraft step-profile` (see above): steps of each of widths new tokens after context cached positions,
+    reps timed steps per configuration per round, rounds rotating the order, on threads torch threads; layers: the
+    target layers tapped (the default draft's); paths: the configurations timed; parts: what is measured beside
+    them (both named above); draft, draft_weights, accepted: the draft step's draft (None: the target's shipped
+    one), its fused weights and the positions committed by the verify before it; out: also write the figures as
+    JSON."""
+
+    target: str | None = None
+    dtype: str = "bf16"
+    context: int = 200
+    widths: tuple[int, ...] = (1, 4, 8, 16)
+    reps: int = 10
+    rounds: int = 3
+    threads: int = 2
+    layers: tuple[int, ...] = (1, 27)
+    paths: tuple[str, ...] = ("bf16-python", "auto-python", "auto-native")
+    parts: tuple[str, ...] = ("ceiling", "linears", "draft")
+    draft: str | None = None
+    draft_weights: str = "int8"
+    accepted: int = 2
+    out: str | None = None
 
 
-def run(args) -> int:
-    """`blockdraft step-profile`: time the configurations of args.paths (see above)."""
-    torch.set_num_threads(args.threads)
+def run(cfg: StepProfileConfig) -> int:
+    """`blockdraft step-profile`: time the configurations of cfg.paths (see above)."""
+    torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
-    widths = [int(w) for w in args.widths.split(",")]
-    taps = tuple(int(x) for x in args.layers.split(","))
+    widths = list(cfg.widths)
+    taps = cfg.layers
 
-    auto, _ = load_target(args.target, args.dtype, weights="auto")
+    auto, _ = load_target(cfg.target, cfg.dtype, weights="auto")
     auto.set_layer_ids(taps)
     python = TargetModel(auto.hf, auto.tokenizer, layer_ids=taps, weights=auto.weights)
     python.lean.native = None  # the same quantized weights through the Python layers
@@ -61,12 +87,12 @@ def run(args) -> int:
     kernels = quant_kernels()
     best_isa = kernels.kernel_isa() if kernels is not None else None
     isa = {"auto-native-avx2": "avx2"}
-    configs = {name: configs[name] for name in args.paths.split(",")}
+    configs = {name: configs[name] for name in cfg.paths}
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, auto.vocab_size, (1, args.context), generator=gen)
+    prompt = torch.randint(0, auto.vocab_size, (1, cfg.context), generator=gen)
     caches = {}
     for name, t in configs.items():
-        caches[name] = t.new_decode_cache(args.context + max(widths) + 8)
+        caches[name] = t.new_decode_cache(cfg.context + max(widths) + 8)
         t.forward(prompt, caches[name], last_only=True)
     if best_isa is not None:
         print(f"kernels: {best_isa} (auto-native), avx2 (auto-native-avx2)")
@@ -79,13 +105,13 @@ def run(args) -> int:
         t0 = time.perf_counter()
         t.forward(ids, c)
         dt = time.perf_counter() - t0
-        c.crop(args.context)
+        c.crop(cfg.context)
         return dt
 
-    parts = set(args.parts.split(",")) if args.parts else set()
+    parts = set(cfg.parts)
     extra = {}  # name -> (callable(width) -> seconds, widths)
     if "draft" in parts:
-        draft_step = DraftStep(auto, args, gen)
+        draft_step = DraftStep(auto, cfg, gen)
         extra["draft"] = (lambda w: draft_step(), [draft_step.block])
     if "linears" in parts or "read" in parts:
         lin = Linears(auto, widths, gen)
@@ -113,21 +139,21 @@ def run(args) -> int:
     times: dict[str, dict[int, list[float]]] = {n: {w: [] for w in widths} for n in configs}
     times.update({n: {w: [] for w in ws} for n, (_, ws) in extra.items()})
     names = list(configs) + list(extra) + (["ceiling"] if ceiling_isas else [])
-    for r in range(args.rounds):
+    for r in range(cfg.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if name == "ceiling":
                 for which in ceiling_isas:
-                    ceiling[which] += [kernels.int8_peak(which, 5_000_000) for _ in range(args.reps)]
+                    ceiling[which] += [kernels.int8_peak(which, 5_000_000) for _ in range(cfg.reps)]
                 continue
             if name in extra:
                 f, ws = extra[name]
                 if kernels is not None:  # the draft and the linears run on the kernels decoding uses
                     kernels.set_kernel_isa(best_isa)
                 for w in ws:
-                    times[name][w] += [f(w) for _ in range(args.reps)]
+                    times[name][w] += [f(w) for _ in range(cfg.reps)]
                 continue
             for w in widths:
-                times[name][w] += [step(name, w) for _ in range(args.reps)]
+                times[name][w] += [step(name, w) for _ in range(cfg.reps)]
     table = {n: {w: 1e3 * statistics.median(v) for w, v in ws.items()} for n, ws in times.items()}
     names = list(configs)
     profiles = {}
@@ -135,12 +161,12 @@ def run(args) -> int:
 
     for name in names:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(args.reps):
+            for _ in range(cfg.reps):
                 step(name, 1)
         profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     if kernels is not None:  # the paths switch ISAs: what follows (and the machine record) runs on the best
         kernels.set_kernel_isa(best_isa)
-    print(f"target step at context {args.context}, ms (median of {args.rounds * args.reps}), dtype {args.dtype}")
+    print(f"target step at context {cfg.context}, ms (median of {cfg.rounds * cfg.reps}), dtype {cfg.dtype}")
     print("| path | " + " | ".join(f"{w} tok" for w in widths) + " |")
     print("|---|" + "---:|" * len(widths))
     for n in names:
@@ -154,14 +180,14 @@ def run(args) -> int:
         print(f"ratio to one token ({base}): " + ", ".join(f"{w}: {table[base][w] / one:.2f}x" for w in widths))
     if "draft" in parts:
         ms = table["draft"][draft_step.block]
-        summary["draft"] = {"ms": ms, "block": draft_step.block, "accepted": args.accepted, "path": draft_step.path,
+        summary["draft"] = {"ms": ms, "block": draft_step.block, "accepted": cfg.accepted, "path": draft_step.path,
                             "weights": draft_step.weights, "share_of_one_token": ms / one if one else None}
         print(f"draft step ({draft_step.path}, block {draft_step.block}, {draft_step.weights} weights, "
-              f"{args.accepted} positions caught up): {ms:.2f} ms" + (f" = {ms / one:.0%} of a one-token step"
+              f"{cfg.accepted} positions caught up): {ms:.2f} ms" + (f" = {ms / one:.0%} of a one-token step"
                                                                       if one else ""))
     if ceiling_isas:
         summary["ceiling_gmacs"] = {k: statistics.median(v) / 1e9 for k, v in ceiling.items()}
-        print("int8 ceiling, G multiply-adds/s on", args.threads, "threads (median, sampled with the steps):",
+        print("int8 ceiling, G multiply-adds/s on", cfg.threads, "threads (median, sampled with the steps):",
               ", ".join(f"{k} {v:.0f}" for k, v in summary["ceiling_gmacs"].items()))
     if "linears" in parts:
         peak = summary.get("ceiling_gmacs", {}).get(best_isa)
@@ -185,13 +211,13 @@ def run(args) -> int:
         print(f"read bandwidth {gbs:.1f} GB/s; weights streamed per step: layers {layers_mb:.0f} MB + head "
               f"{head_mb:.0f} MB -> read floor {floor:.1f} ms" +
               (f"; the one-token step is {table[base][1] / floor:.2f}x it" if one else ""))
-    if args.out:
-        out = Path(args.out)
+    if cfg.out:
+        out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "blockdraft step-profile " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
-            "machine": machine_info(), "weights": auto.weights.describe(), "kernel_isa": best_isa, "ms": table,
-            **summary, "profiles": profiles}, indent=1))
+        out.write_text(json.dumps({
+            "command": config_command("step-profile", cfg), "machine": machine_info(),
+            "weights": auto.weights.describe(), "kernel_isa": best_isa, "ms": table, **summary,
+            "profiles": profiles}, indent=1))
         print(f"wrote {out}")
     return 0
 
@@ -259,27 +285,27 @@ class DraftStep:
     so the draft reads its own weights from memory, not from a cache it had to itself (measured alone, a draft
     step here took about half as long)."""
 
-    def __init__(self, target: TargetModel, args, gen: torch.Generator) -> None:
-        path = resolve_draft(args.draft, args.target or DEFAULT_TARGET)
+    def __init__(self, target: TargetModel, cfg: StepProfileConfig, gen: torch.Generator) -> None:
+        path = resolve_draft(cfg.draft, cfg.target or DEFAULT_TARGET)
         if path is None:
             raise SystemExit("step-profile: no draft is shipped for this target: pass --draft DIR, or leave "
                              "'draft' out of --parts")
         draft = load_draft(path, target)
         if not isinstance(draft, DFlashDraftModel):
             raise SystemExit(f"{path} is not a DFlash draft")
-        self.path, self.weights = str(path), args.draft_weights
+        self.path, self.weights = str(path), cfg.draft_weights
         # the fixed-width chain's proposer, as `--method dflash` builds it (no calibration needed)
-        self.proposer = build_engine(target, draft, DecodeSpec("dflash", draft_weights=args.draft_weights)).proposer
+        self.proposer = build_engine(target, draft, DecodeSpec("dflash", draft_weights=cfg.draft_weights)).proposer
         self.block = self.proposer.block_size
         # the committed tokens: the context, the newly verified positions and the anchor (the verify's bonus token)
-        self.tokens = torch.randint(0, target.vocab_size, (args.context + args.accepted + 1,), generator=gen)
-        cache = target.new_decode_cache(args.context + args.accepted + self.block + 8)
+        self.tokens = torch.randint(0, target.vocab_size, (cfg.context + cfg.accepted + 1,), generator=gen)
+        cache = target.new_decode_cache(cfg.context + cfg.accepted + self.block + 8)
         feats = target.forward(self.tokens[None, :-1], cache, last_only=True, tap=draft.context_layer_ids).features
         self.target, self.cache, self.verified = target, cache, cache.length
-        self.ctx = args.context
-        self.proposer.start(self.tokens[:args.context], feats[:, :args.context])
-        self.new = feats[:, args.context:]
-        self.accepted = args.accepted
+        self.ctx = cfg.context
+        self.proposer.start(self.tokens[:cfg.context], feats[:, :cfg.context])
+        self.new = feats[:, cfg.context:]
+        self.accepted = cfg.accepted
 
     def __call__(self) -> float:
         self.target.forward(self.tokens[None, -self.block:], self.cache)  # the verify before (untimed)

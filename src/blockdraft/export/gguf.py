@@ -37,6 +37,7 @@ from ..models.loading import materialize, resolve_target
 from ..models.copy_gate import GATE_WEIGHTS_NAME
 from ..models.draft import check_compatible, read_draft_dir
 from ..models.draft_config import DFlashConfig
+from ..models.hf_config import text_config
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def _target_head_rows(target_dir: Path, rows: torch.Tensor) -> torch.Tensor:
 def _check_fits(cfg, target_cfg: dict, reader, gguf_path: Path) -> None:
     from types import SimpleNamespace
 
-    tc = target_cfg.get("text_config") or target_cfg
+    tc = text_config(target_cfg)
     check_compatible(cfg, SimpleNamespace(hidden_size=int(tc["hidden_size"]), vocab_size=int(tc["vocab_size"]),
                                           num_layers=int(tc["num_hidden_layers"])))
     arch = _field(reader, "general.architecture")

@@ -199,7 +199,7 @@ class DFlashDraftModel(nn.Module):
     def context_layer_ids(self) -> tuple[int, ...]:
         """The target layers whose outputs form this draft's context; none for a draft trained without target
         features (the paper's ablation: the block sees itself only)."""
-        return () if self.config.extra.get("no_target_features", False) else tuple(self.config.target_layer_ids)
+        return () if self.config.no_target_features else tuple(self.config.target_layer_ids)
 
     @property
     def mask_token_id(self) -> int:
@@ -372,7 +372,7 @@ def decode_block_size(draft, block_size: int | None = None) -> int:
     """The block size a draft decodes with: block_size when given, else the one its card recommends for decoding
     (`decode_block_size` in config.json: a measured choice, e.g. a weak draft on a CPU verifies fewer tokens per
     step), else the one it was trained with. The one place this rule lives."""
-    bs = block_size or int(draft.config.extra.get("decode_block_size") or draft.block_size)
+    bs = block_size or int(draft.config.decode_block_size or draft.block_size)
     if bs < 1:
         raise ValueError("block_size must be >= 1")
     return bs

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .hf_config import text_config
+
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """K distinct layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as the paper and the public
@@ -29,7 +31,7 @@ def target_layer_shape(target_config) -> dict:
     """A draft layer's shape as the target's HF config gives it (hidden size, heads, head_dim, MLP width, norm eps,
     rope, positions) and the target's depth (`num_target_layers`): what a draft that shares the target's layer
     widths reads from it."""
-    tc = getattr(target_config, "text_config", None) or target_config
+    tc = text_config(target_config)
     heads = int(tc.num_attention_heads)
     rope = getattr(tc, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict)
@@ -64,8 +66,13 @@ class DFlashConfig:
     # Reduced draft vocabulary: the draft proposes only among these many target tokens (its LM-head rows are the
     # target's rows at `d2t`-mapped ids, saved as the `d2t` tensor, vLLM's convention); None = the full vocabulary.
     draft_vocab_size: int | None = None
-    # blockdraft's own metadata (training recipe, provenance), saved under "blockdraft" in config.json.
+    # blockdraft's own metadata (training recipe, provenance), saved under "blockdraft" in config.json: records only;
+    # what changes behaviour has a field of its own (below), saved in the same section.
     extra: dict = field(default_factory=dict)
+    # The block the draft decodes best with (None: its trained block), the default of `decode_block_size`.
+    decode_block_size: int | None = None
+    # Trained without the target's features (an ablation): the draft taps no target layer at decode time.
+    no_target_features: bool = False
     # An input beyond the public layout (off by default): the fusion also reads, at each context position, the
     # target's embedding of the token that follows it there. Why: a tapped feature at position i holds the target's
     # *prediction* of token i+1, which on user-written text (a prompt's names and numbers) is often not the token
@@ -149,6 +156,10 @@ class DFlashConfig:
 
     def _extra_dict(self) -> dict:
         d = dict(self.extra)
+        if self.decode_block_size is not None:
+            d["decode_block_size"] = self.decode_block_size
+        if self.no_target_features:
+            d["no_target_features"] = True
         if self.next_token_feature:
             d.update(next_token_feature=True, next_token_scale=self.next_token_scale)
         if self.copy_gate:
@@ -170,6 +181,8 @@ class DFlashConfig:
         next_token = bool(extra.pop("next_token_feature", False))
         next_scale = float(extra.pop("next_token_scale", 1.0))
         copy_gate = bool(extra.pop("copy_gate", False))
+        decode_block = extra.pop("decode_block_size", None)
+        no_features = bool(extra.pop("no_target_features", False))
         return cls(
             hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
@@ -182,4 +195,5 @@ class DFlashConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=extra, draft_vocab_size=d.get("draft_vocab_size"),
             next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate,
+            decode_block_size=int(decode_block) if decode_block else None, no_target_features=no_features,
         )

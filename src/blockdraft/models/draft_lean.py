@@ -2,12 +2,12 @@
 
 Why: at decode time the draft runs a handful of tokens (one block of 4-16 and the few newly committed context
 positions) through small matrices, so each step's cost is framework overhead and small-matrix matmuls, not FLOPs.
-Measured on the 3-layer default draft (2 threads, bf16): the module forward took ~4.3 ms per proposal, 57% of it in
-21 unpacked `aten::mm` calls of ~0.1 ms each, plus ~1.1 ms to project newly committed context. This path keeps the
-draft's weights but
+On the 3-layer default draft most of the module forward's time went to small unpacked matmuls and to projecting
+newly committed context again (docs/results-history.md, "Measurements behind the code's choices"). This path keeps
+the draft's weights but
 - fuses q/k/v into one projection and gate/up into one, and every layer's context k/v into one (computed once,
   not concatenated again at every call as `DFlashDraftModel.context_kv` does);
-- prepacks every bf16 weight for oneDNN once (`lean.Linear`, 1.3-1.6x faster than `F.linear` at 1-16 rows);
+- prepacks every bf16 weight for oneDNN once (`lean.Linear`, faster than `F.linear` at 1-16 rows);
 - writes the block's keys/values in place after the context in the proposer's `KVCache` (without advancing its
   length) instead of concatenating the whole context with them in every layer.
 

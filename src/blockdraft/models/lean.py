@@ -2,8 +2,8 @@
 preallocated KV cache, few ops per layer.
 
 Why: a decode step of a small target through the Hugging Face modules pays framework overhead on top of
-its matmuls, and the matmuls themselves run slower than they need to: for bf16 on this CPU, oneDNN's prepacked
-linear is 1.3-1.6x faster than `F.linear` at 1-16 rows, with bit-identical results. This path keeps the target's
+its matmuls, and the matmuls themselves run slower than they need to: for bf16, oneDNN's prepacked linear is
+faster than `F.linear` at 1-16 rows, with bit-identical results. This path keeps the target's
 weights but
 - fuses q/k/v into one projection and gate/up into one (two matmuls fewer per layer, one read of the input);
 - prepacks every bf16 weight for oneDNN once (`Linear`), the target's LM head included (see TargetModel.logits);
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .hf_config import text_config
 from .quant import QuantLinear, WeightPlan, quant_kernels
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,9 @@ def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     """One query per row: q [B, Hq, 1, D], keys/values [B, Hkv, S, D], key_mask [B, 1, 1, S] bool (True = a real
     token; None = every key) -> [B, Hq, 1, D], what `F.scaled_dot_product_attention(..., enable_gqa=True)` computes.
 
-    Why: torch's CPU flash kernel is slow for a single query. Measured per layer on this CPU (bf16, 2 threads): 64
-    masked rows x 200 keys 6.7 ms against 0.7 ms here (it was 72% of a padded batched step); one row x 300 /
-    800 keys 0.18 / 0.45 ms against 0.09 / 0.11 ms (10-30% of a plain decode step). Here the query heads of one
-    key/value group are the rows of one matmul. Scores and softmax run in fp32, as the flash kernel accumulates.
+    Why: torch's CPU flash kernel is slow for a single query, several times slower than this for padded batched
+    rows and about twice for one row (the figures: docs/results-history.md, "Measurements behind the code's
+    choices"). Here the query heads of one key/value group are the rows of one matmul. Scores and softmax run in fp32, as the flash kernel accumulates.
     At 4-16 queries the flash kernel is the faster one, so only single-query steps come here."""
     b, hq, t, d = q.shape
     hkv, s = keys.shape[1], keys.shape[2]
@@ -211,7 +211,7 @@ class LeanDecoder:
 
     def __init__(self, hf_model: nn.Module, compile: bool = False, compile_widths: tuple[int, ...] = (1, 16),
                  weights: WeightPlan | None = None) -> None:
-        cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
+        cfg = text_config(hf_model.config)
         dec = hf_model.get_decoder()
         self.cfg = cfg
         self.embed_tokens, self.rotary, self.norm = dec.embed_tokens, dec.rotary_emb, dec.norm
@@ -268,7 +268,7 @@ class LeanDecoder:
     @staticmethod
     def supports(hf_model: nn.Module) -> str | None:
         """None if the lean path computes this model exactly, else the reason it does not."""
-        cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
+        cfg = text_config(hf_model.config)
         mt = getattr(cfg, "model_type", "")
         if mt not in _FAMILIES:
             return f"model_type {mt!r} is not one of {_FAMILIES}"
@@ -380,8 +380,8 @@ class LeanDecoder:
                 masks.append(slots <= (start + torch.arange(t, device=x.device)).unsqueeze(1))
             else:
                 masks.append(None)
-            # a one-token step from GROUPED_MIN_KEYS keys on (below, the two measured alike, 0.95-1.07x within
-            # this machine's noise; 1.12x at 400-464 keys, 1.25x at 1000-1064: experiments/decode_attention_bench.py)
+            # a one-token step from GROUPED_MIN_KEYS keys on (below it the two measure alike; the figures:
+            # experiments/decode_attention_bench.py and docs/results-history.md)
             single.append(t == 1 and m is None and self.grouped_single_query and total >= GROUPED_MIN_KEYS)
         taps: dict[int, torch.Tensor] = {}
         fast = self.compiled and s_total in self.compile_widths

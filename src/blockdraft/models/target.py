@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .hf_config import text_config
 from .lean import LeanDecoder, Linear, packed_linear_available
 from .quant import QuantLinear, WeightPlan
 
@@ -88,7 +89,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.tokenizer = tokenizer
-        self.config = getattr(hf_model.config, "text_config", None) or hf_model.config
+        self.config = text_config(hf_model.config)
         self.decoder = hf_model.get_decoder()
         self.layers = self.decoder.layers
         self.lm_head = hf_model.get_output_embeddings()
@@ -227,8 +228,8 @@ class TargetModel(nn.Module):
         with rows [V'] only those vocabulary entries: [..., V'] (a reduced draft vocabulary)."""
         qhead = self._quant_head()
         if qhead is not None and not torch.is_grad_enabled():
-            # float32 logits: the kernel's own precision (no bf16 ties at the argmax), and torch's argmax over
-            # float32 rows runs ~2x faster than over bf16 ones
+            # float32 logits: the kernel's own precision (no bf16 ties at the argmax), and an argmax over float32
+            # rows runs faster than over bf16 ones
             h = hidden.float()
             out = qhead(h) if rows is None else self._quant_head_rows(qhead, rows)(h)
         elif rows is None:
@@ -273,7 +274,7 @@ class TargetModel(nn.Module):
 
     def _packed_head(self):
         """The LM head prepacked for oneDNN (bf16 on CPU, lean path wanted), built once per dtype/device; None
-        otherwise. Its product is bit-identical to `lm_head` (lean.py) and ~1.4x faster at 1-16 rows."""
+        otherwise. Its product is bit-identical to `lm_head` (lean.py) and faster at 1-16 rows."""
         if self._lean_reason == "disabled" or torch.is_grad_enabled():
             return None
         key = (self.dtype, self.device)

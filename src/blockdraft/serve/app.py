@@ -18,7 +18,8 @@ Limits: binds 127.0.0.1 by default; optional API key (401); request body limit (
 Retry-After); malformed JSON or wrong types (400); a body not received within --body-timeout seconds (408). A
 client that disconnects (streaming or not) has its row dropped at the next engine step.
 
-Run: `blockdraft serve --target T --draft D --method M ...` (the options are in cli/serve.py).
+Run: `blockdraft serve --target T --draft D --method M ...` (the options are in cli/serve.py, their typed
+form in serve/config.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import hmac
 import ipaddress
 import json
@@ -47,8 +47,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..decode.spec import DecodeSpec, build_engine
+from ..decode.spec import build_engine
 from ..models.loading import load_draft, load_target, resolve_draft
+from .config import ServeConfig
 from .metrics import ServerMetrics
 from .scheduler import LockedTokenizer, QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
 from .schema import APIError, ParsedRequest, RequestParser
@@ -66,7 +67,6 @@ class ServerSettings:
     api_key: str | None = None
     max_tokens_cap: int = 512
     max_body_bytes: int = 1 << 20
-    block_size: int | None = None
     body_timeout: float = 30.0  # seconds to receive a whole request body (then 408): a stalled upload is dropped
     max_prompt_tokens: int | None = None  # longer prompts get a 400 (None: only the context bounds them)
 
@@ -83,7 +83,7 @@ def _stats_extra(result, handle: RequestHandle, draft_name: str) -> dict:
 def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings):
     """The Starlette application. The scheduler is started on startup and stopped on shutdown."""
     parser = RequestParser(tokenizer, settings.model_name, settings.max_context, settings.max_tokens_cap,
-                           settings.block_size, settings.vocab_size, settings.max_prompt_tokens)
+                           settings.vocab_size, settings.max_prompt_tokens)
     metrics = ServerMetrics(scheduler.queue_state, lambda: scheduler.engine.plain_steps)
     # Requests are parsed (tokenized) off the event loop on ONE thread: the tokenizer is locked anyway, so more threads
     # add no throughput, and with anyio's pool of up to 40 threads the server's RSS crept up (blockdraft soak on the
@@ -324,65 +324,55 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def build_server(args):
-    """Load the model and build (app, settings) from parsed `blockdraft serve` options (cli/serve.py). Separate from
-    serve_main so that tests and benchmarks can reuse it."""
-    if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
-        raise ValueError("--max-batch and --max-tokens-cap must be >= 1, --max-queue >= 0, --max-body-bytes >= 1")
-    if args.max_prompt_tokens < 0:
-        raise ValueError("--max-prompt-tokens must be >= 0 (0: only the target's context bounds prompts)")
-    if not args.body_timeout > 0:
-        raise ValueError("--body-timeout must be > 0 seconds")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def build_server(cfg: ServeConfig):
+    """Load the model and build (app, settings) from a ServeConfig. Separate from serve_main so that tests and
+    benchmarks can reuse it."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
-    spec = DecodeSpec(method=args.method, block_size=args.block_size, denoise_steps=args.denoise_steps,
-                      tree_budget=args.tree_budget, draft_weights=args.draft_weights,
-                      batch_policy=args.batch_policy, recalibrate=args.recalibrate)
-    if args.draft is not None and args.draft.lower() in ("pld", "lookup"):  # prompt lookup needs no draft
-        spec = dataclasses.replace(spec, method="pld")
-    target, src = load_target(args.target, args.dtype, weights=args.weights)
+    spec = cfg.decode_spec()
+    target, src = load_target(cfg.target, cfg.dtype, weights=cfg.weights)
     if target.tokenizer is None:
         raise ValueError("the server needs the target's tokenizer")
     tokenizer = LockedTokenizer(target.tokenizer)
-    path = resolve_draft(args.draft, src.name) if spec.entry.draft is not None else None
+    path = resolve_draft(cfg.draft, src.name) if spec.entry.draft is not None else None
     # the target's verify cost per width, if the spec needs it: cached per machine, measured now (~30 s) if not
     engine = build_engine(target, load_draft(path, target) if path is not None else None, spec, tokenizer=tokenizer,
-                          max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
-                          draft_max_batch=args.draft_max_batch or None)
+                          max_batch=cfg.max_batch, max_step_tokens=cfg.max_step_tokens,
+                          draft_max_batch=cfg.draft_max_batch or None)
     method = engine.spec.method
     draft_name = method if path is None else path.name if method == "dflash" else f"{path.name} ({method})"
     if method == "ar":
         draft_name = "none"
-    scheduler = Scheduler(engine, max_queue=args.max_queue, step_delay=args.debug_step_delay)
+    scheduler = Scheduler(engine, max_queue=cfg.max_queue, step_delay=cfg.debug_step_delay)
     settings = ServerSettings(model_name=src.name, draft_name=draft_name, max_context=target.max_context,
-                              vocab_size=target.vocab_size, api_key=args.api_key,
-                              max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                              block_size=args.block_size, body_timeout=args.body_timeout,
-                              max_prompt_tokens=args.max_prompt_tokens or None)
+                              vocab_size=target.vocab_size, api_key=cfg.api_key,
+                              max_tokens_cap=cfg.max_tokens_cap, max_body_bytes=cfg.max_body_bytes,
+                              body_timeout=cfg.body_timeout,
+                              max_prompt_tokens=cfg.max_prompt_tokens or None)
     return create_app(scheduler, tokenizer, settings), settings
 
 
-def serve_main(args) -> int:
-    """Run the server of parsed `blockdraft serve` options until SIGINT / SIGTERM."""
-    if not _is_loopback(args.host) and not args.api_key:
-        log.warning("binding %s without --api-key: anyone who can reach this address can use the server", args.host)
-    app, settings = build_server(args)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+def serve_main(cfg: ServeConfig) -> int:
+    """Run the server of a ServeConfig until SIGINT / SIGTERM."""
+    if not _is_loopback(cfg.host) and not cfg.api_key:
+        log.warning("binding %s without --api-key: anyone who can reach this address can use the server", cfg.host)
+    app, settings = build_server(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((cfg.host, cfg.port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
     sock.listen(128)
     port = sock.getsockname()[1]
-    shown = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    shown = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
     print(f"blockdraft serve: model {settings.model_name} (draft {settings.draft_name}) listening on "
           f"http://{shown}:{port}", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3,
-                            access_log=args.log_level in ("debug", "info"))
+    config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=3,
+                            access_log=cfg.log_level in ("debug", "info"))
     server = uvicorn.Server(config)
     scheduler = app.state.scheduler
 

@@ -175,8 +175,8 @@ class Scheduler:
 
     def run(self) -> None:
         """Run the worker in the calling thread until `stop`. The server runs it in the main thread, where the model
-        was loaded: measured on a 2-core machine, the same decode step ran 10-40% slower in another thread than in
-        the one whose OpenMP pool did the loading (the two thread pools contend for the cores)."""
+        was loaded: on a 2-core machine the same decode step ran slower in another thread than in the one whose
+        OpenMP pool did the loading (the two thread pools contend for the cores)."""
         self.claim()
         self._run()
 

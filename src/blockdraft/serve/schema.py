@@ -129,10 +129,10 @@ class ParsedRequest:
 class RequestParser:
     """Validates a request body and turns it into prompt ids + generation settings (or raises APIError)."""
 
-    def __init__(self, tokenizer, model_name: str, max_context: int, max_tokens_cap: int, block_size: int | None,
-                 vocab_size: int, max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, tokenizer, model_name: str, max_context: int, max_tokens_cap: int, vocab_size: int,
+                 max_prompt_tokens: int | None = None) -> None:
         self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
-        self.max_tokens_cap, self.block_size, self.vocab_size = max_tokens_cap, block_size, vocab_size
+        self.max_tokens_cap, self.vocab_size = max_tokens_cap, vocab_size
         self.max_prompt_tokens = max_prompt_tokens  # None: only the context bounds a prompt
 
     def parse(self, body, chat: bool) -> ParsedRequest:
@@ -218,8 +218,7 @@ class RequestParser:
             sampling = SamplingParams(temperature=temperature if temperature is not None else 1.0,
                                       top_p=top_p if top_p is not None else 1.0,
                                       top_k=0 if top_k in (None, -1) else top_k, seed=seed)
-            config = GenerationConfig(max_new_tokens=max_tokens, block_size=self.block_size, stop_strings=stops,
-                                      ignore_eos=ignore_eos)
+            config = GenerationConfig(max_new_tokens=max_tokens, stop_strings=stops, ignore_eos=ignore_eos)
         except ValueError as e:
             raise _bad(str(e)) from None
         return ParsedRequest(prompt_ids, config, sampling, stream, include_usage)

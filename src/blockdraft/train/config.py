@@ -167,6 +167,17 @@ class TrainConfig:
                 raise ValueError("method eagle supports neither no_target_features nor a reduced draft_vocab_size")
 
 
+def load_train_config(path: str | Path | None, **overrides) -> TrainConfig:
+    """The config of a run: a recipe file with `overrides` (not None) on top, or the overrides alone; refused
+    without training data (a teacher cache or records)."""
+    cfg = (TrainConfig.from_yaml(path, **overrides) if path
+           else TrainConfig(**{k: v for k, v in overrides.items() if v is not None}))
+    if not cfg.cache and not cfg.data:
+        raise ValueError("no training data: pass --cache DIR (a teacher cache, with --heldout-cache) or --data DIR "
+                         "(records), or set one of them in the --config file")
+    return cfg
+
+
 def parse_bool(text: str) -> bool:
     """A command-line boolean (TrainConfig's bool fields): true/false, yes/no, on/off, 1/0."""
     t = str(text).strip().lower()

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..models.draft import DFlashDraftModel
+from ..models.eagle import EagleDraftModel, is_eagle_draft
+from ..models.loading import load_target
 from ..models.target import TargetModel
+from .records import load_records
 
 MANIFEST = "manifest.json"
 
@@ -110,3 +115,30 @@ class OfflineFeatures:
             self._shard = load_file(str(self.dir / name))
             self._name = name
         return self._shard[key].unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class FeaturesConfig:
+    """`blockdraft features`: the records (data) whose target features are written to out, for the layers of a
+    draft's config (draft) or the given layer_ids."""
+
+    data: str
+    out: str
+    target: str | None = None
+    draft: str | None = None
+    layer_ids: tuple[int, ...] | None = None
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if not self.draft and self.layer_ids is None:
+            raise ValueError("which target layers: pass --draft DIR (its layers) or --layer-ids")
+
+
+def write_features(cfg: FeaturesConfig) -> list[int]:
+    """Precompute the features of cfg.data into cfg.out; returns the tapped layer ids."""
+    target, _ = load_target(cfg.target, cfg.dtype, weights="bf16")  # training reads the float model
+    draft_cls = EagleDraftModel if cfg.draft and is_eagle_draft(cfg.draft) else DFlashDraftModel
+    layer_ids = (list(draft_cls.from_pretrained(cfg.draft).config.target_layer_ids) if cfg.draft
+                 else list(cfg.layer_ids))
+    precompute_features(target, layer_ids, load_records(cfg.data), cfg.out)
+    return layer_ids

@@ -15,11 +15,15 @@ Prompt sets (`--set`):
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from ..config import GenerationConfig
 from ..decode.spec import DecodeSpec, build_engine
-from ..models.loading import load_draft
+from ..models.loading import load_draft, load_target
 from ..prompts import load_task
 from ..prompts.math import gsm_symbolic_items, gsm_template_split, load_all
 from .data import chat_token_ids
@@ -90,4 +94,41 @@ def heldout_tau(target, drafts: list[tuple[str, str]], prompts: list[list[int]],
                      "tau": committed / max(1, steps),
                      "position1_acceptance": acc[0] / max(1, tri[0]) if tri else 0.0,
                      "position_acceptance": profile})
+    return rows
+
+
+@dataclass(frozen=True)
+class HeldoutTauConfig:
+    """`blockdraft heldout-tau`: drafts as (name, directory) pairs, all measured on the same prompts (prompts of
+    prompt_set; heldout: the records of the `regen` set) at fixed width block_size (None: each draft's decode block),
+    max_new_tokens each; the target on its weights mode, the drafts' fused weights draft_weights; threads: torch's
+    (None: its choice); out: a file the rows are appended to as JSON lines."""
+
+    drafts: tuple[tuple[str, str], ...]
+    target: str | None = None
+    prompt_set: str = "regen"
+    block_size: int | None = None
+    heldout: str | None = None
+    prompts: int = 12
+    max_new_tokens: int = 96
+    weights: str = "auto"
+    draft_weights: str = "auto"
+    threads: int | None = None
+    out: str | None = None
+
+
+def run_heldout_tau(cfg: HeldoutTauConfig) -> list[dict]:
+    """The rows of `heldout_tau`, each with the target, the prompt set and the weights mode; also appended to
+    cfg.out."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, _ = load_target(cfg.target, "bf16", weights=cfg.weights)
+    prompts = heldout_prompts(target.tokenizer, cfg.prompt_set, cfg.prompts, cfg.heldout)
+    rows = heldout_tau(target, list(cfg.drafts), prompts, cfg.max_new_tokens, cfg.block_size, cfg.draft_weights)
+    for r in rows:
+        r.update(target=cfg.target, set=cfg.prompt_set, weights=cfg.weights)
+    if cfg.out:
+        with open(cfg.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
     return rows

@@ -8,6 +8,7 @@ replayed-decoding tau (`walk_tau`) where a run logged it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -16,11 +17,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def run(args) -> int:
-    """`blockdraft plot`: the curves of args.run (NAME=curve.jsonl) and args.probes into the image args.out."""
+@dataclass(frozen=True)
+class PlotConfig:
+    """`blockdraft plot`: runs as (name, path of its curve.jsonl) pairs, the image written (out), and the reference
+    predictors' probes.json drawn beside them (None: none)."""
+
+    runs: tuple[tuple[str, str], ...]
+    out: str
+    probes: str | None = None
+
+
+def run(cfg: PlotConfig) -> int:
+    """`blockdraft plot`: the curves of cfg.runs and cfg.probes into the image cfg.out."""
     fig, ax = plt.subplots(1, 4, figsize=(22, 4.8))
-    for spec in args.run:
-        name, path = spec.split("=", 1)
+    for name, path in cfg.runs:
         rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
         mins = [r["minutes"] for r in rows]
         acc1 = [100 * r["acc"][0] for r in rows]
@@ -30,13 +40,14 @@ def run(args) -> int:
         walk = [(r["rows"] / 1e6, r["walk_tau"]) for r in rows if "walk_tau" in r]
         if walk:
             ax[3].plot(*zip(*walk), marker=".", label=name)
-    if args.probes:
-        pr = json.loads(Path(args.probes).read_text())
+    if cfg.probes:
+        pr = json.loads(Path(cfg.probes).read_text())
         for kind, style in (("bigram", ":"), ("feature", "--")):
             best = 100 * max(c["acc1"] for c in pr[kind])
             for a in ax[:2]:
                 a.axhline(best, color="gray", linestyle=style, label=f"{kind} probe ({best:.1f}%)")
-    ax[0].set(xlabel="training minutes (shared machine; threads in the table)", ylabel="held-out position-1 accuracy (%)")
+    ax[0].set(xlabel="training minutes (shared machine; threads in the table)",
+              ylabel="held-out position-1 accuracy (%)")
     ax[1].set(xlabel="block rows seen (millions)", ylabel="held-out position-1 accuracy (%)")
     ax[2].set(xlabel="training minutes", ylabel="implied tau at decode block 4")
     ax[3].set(xlabel="block rows seen (millions)", ylabel="replayed greedy decoding tau (walk, block 4)")
@@ -44,6 +55,6 @@ def run(args) -> int:
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=7)
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(cfg.out, dpi=110)
     return 0

@@ -12,6 +12,7 @@ upper bound on how often the reduced draft can still propose the right token.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,17 +45,31 @@ def coverage(ids: torch.Tensor, records: list[dict], vocab_size: int) -> tuple[i
     return int(toks.numel()), float(inside[toks].float().mean())
 
 
-def run(args) -> int:
-    """`blockdraft reduce-vocab`: write the reduced draft and its report (reduce_vocab.json) to args.out."""
-    target, _ = load_target(args.target, "bf16")
-    full = DFlashDraftModel.from_pretrained(args.draft)
-    recs = load_records(args.data)
-    ids = frequent_tokens(recs, args.size, target.vocab_size, target.eos_token_ids + (full.mask_token_id,))
-    reduced_draft(full, ids).save_pretrained(args.out)
-    report = {"draft": args.draft, "size": args.size, "out": args.out, "train_records": len(recs)}
-    if args.heldout:
-        n, share = coverage(ids, load_records(args.heldout), target.vocab_size)
+@dataclass(frozen=True)
+class ReduceVocabConfig:
+    """`blockdraft reduce-vocab`: the full-vocabulary draft, its training records (data), the output directory; size:
+    the tokens kept; heldout: held-out records whose coverage is reported; target: the draft's target (None: the
+    packaged default)."""
+
+    draft: str
+    data: str
+    out: str
+    size: int = 8192
+    heldout: str | None = None
+    target: str | None = None
+
+
+def run(cfg: ReduceVocabConfig) -> int:
+    """`blockdraft reduce-vocab`: write the reduced draft and its report (reduce_vocab.json) to cfg.out."""
+    target, _ = load_target(cfg.target, "bf16")
+    full = DFlashDraftModel.from_pretrained(cfg.draft)
+    recs = load_records(cfg.data)
+    ids = frequent_tokens(recs, cfg.size, target.vocab_size, target.eos_token_ids + (full.mask_token_id,))
+    reduced_draft(full, ids).save_pretrained(cfg.out)
+    report = {"draft": cfg.draft, "size": cfg.size, "out": cfg.out, "train_records": len(recs)}
+    if cfg.heldout:
+        n, share = coverage(ids, load_records(cfg.heldout), target.vocab_size)
         report.update(heldout_tokens=n, heldout_coverage=share)
-    (Path(args.out) / "reduce_vocab.json").write_text(json.dumps(report, indent=1) + "\n")
+    (Path(cfg.out) / "reduce_vocab.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
     return 0

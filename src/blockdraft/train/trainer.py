@@ -59,8 +59,7 @@ def resolve_layer_ids(cfg: TrainConfig, target) -> TrainConfig:
     if cfg.init not in INITS:
         ids = DFlashDraftModel.from_pretrained(cfg.init, dtype=torch.float32).config.target_layer_ids
     else:
-        tc = getattr(target.config, "text_config", None) or target.config
-        ids = default_target_layer_ids(int(tc.num_hidden_layers), cfg.num_target_features)
+        ids = default_target_layer_ids(int(target.config.num_hidden_layers), cfg.num_target_features)
     log.info("target layers for the fusion: %s", ids)
     return replace(cfg, layer_ids=[int(i) for i in ids])
 
@@ -214,9 +213,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                                                                   target.eos_token_ids))
         draft = draft.to(target.device)
         objective = LiveObjective(cfg, target, draft, records, heldout, dtype)
-    draft.config.extra.update({"trained_with": "blockdraft", "no_target_features": cfg.no_target_features})
+    draft.config.extra["trained_with"] = "blockdraft"
+    draft.config.no_target_features = cfg.no_target_features
     if cfg.decode_block:
-        draft.config.extra["decode_block_size"] = cfg.decode_block
+        draft.config.decode_block_size = cfg.decode_block
 
     groups = objective.param_groups()
     params = [p for g in groups for p in g["params"]]

@@ -15,19 +15,23 @@ decontamination references, so none of these ever shares a 13-word n-gram with a
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import random
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from ..models.loading import load_hf_target
 from ..prompts.base import Prompt
 from .data import (TRAIN_SEED_OFFSET, build_prompt_set, chat_token_ids, gsm_prompts, sharegpt_conversations,
                    sharegpt_prompts)
 from .live import prompt_of
+from .records import load_records
 
 log = logging.getLogger(__name__)
 
@@ -220,22 +224,14 @@ def instruction_prompts(seed: int = 11) -> list[Prompt]:
     """Everyday instructions, explanations, writing and coding tasks in several languages: every (task, slot)
     pair once, each with a phrasing chosen at random (seeded), so one task never appears in one wording only."""
     rng = random.Random(seed)
-    items: list[tuple[str, str]] = []
-    for task in _CODE_TASKS:
-        for lang in _LANGS:
-            items.append(("code", rng.choice(_CODE_ASKS).format(lang=lang, task=task)))
-    for topic in _TOPICS:
-        for ask in rng.sample(_EXPLAIN, 4):
-            items.append(("explain", ask.format(topic=topic)))
-    for who in _WHO:
-        for what in _WHAT:
-            items.append(("write", rng.choice(_WRITING).format(who=who, what=what)))
-    for x in _X:
-        for ask in rng.sample(_EVERYDAY, 3):
-            items.append(("everyday", ask.format(x=x)))
-    for s in _S:
-        for ask in _CREATIVE:
-            items.append(("creative", ask.format(s=s)))
+    plans = (  # kind, its slots, the phrasings one slot gets (drawn in this order: the seed fixes every text)
+        ("code", [{"task": t, "lang": lang} for t in _CODE_TASKS for lang in _LANGS], lambda: [rng.choice(_CODE_ASKS)]),
+        ("explain", [{"topic": t} for t in _TOPICS], lambda: rng.sample(_EXPLAIN, 4)),
+        ("write", [{"who": w, "what": x} for w in _WHO for x in _WHAT], lambda: [rng.choice(_WRITING)]),
+        ("everyday", [{"x": x} for x in _X], lambda: rng.sample(_EVERYDAY, 3)),
+        ("creative", [{"s": s} for s in _S], lambda: list(_CREATIVE)),
+    )
+    items = [(kind, ask.format(**slot)) for kind, slots, asks in plans for slot in slots for ask in asks()]
     return [Prompt(id=f"instruct/{kind}-{i}", task="instruct", messages=[{"role": "user", "content": text}])
             for i, (kind, text) in enumerate(items)]
 
@@ -307,3 +303,33 @@ def read_tokenized(path: str | Path) -> tuple[list[str], list[list[int]]]:
 def prompt_ids_of_records(records) -> set[tuple[int, ...]]:
     """The prompt token ids of regenerated records (the part before the loss mask starts)."""
     return {tuple(prompt_of(r)) for r in records}
+
+
+@dataclass(frozen=True)
+class WidePromptsConfig:
+    """`blockdraft wide-prompts`: out: the directory written (prompts-train.npz, prompts-heldout.npz,
+    prompt-card.json); exclude: a glob of packed records whose prompts are already answered; heldout: held-out
+    prompts written (of the ~2% held out)."""
+
+    out: str
+    target: str | None = None
+    exclude: str | None = None
+    max_prompt_tokens: int = 512
+    heldout: int = 480
+    seed: int = 0
+
+
+def write_wide_prompts(cfg: WidePromptsConfig) -> dict:
+    """The wide prompt set, tokenized with the target's tokenizer into cfg.out; returns the prompt card."""
+    _, tok, _ = load_hf_target(cfg.target, dtype="bf16")
+    train, held, rep = wide_prompt_set(wide_sources(seed=cfg.seed), seed=cfg.seed)
+    done = prompt_ids_of_records(r for f in sorted(glob.glob(cfg.exclude)) for r in load_records(f)) \
+        if cfg.exclude else set()
+    out = Path(cfg.out)
+    card = {"prompt_set": {k: v for k, v in rep.to_json().items() if k != "contaminated_ids"},
+            "already_answered": len(done), "max_prompt_tokens": cfg.max_prompt_tokens,
+            "train": write_tokenized(tok, train, out / "prompts-train.npz", cfg.max_prompt_tokens, done),
+            "heldout": write_tokenized(tok, held[: cfg.heldout], out / "prompts-heldout.npz",
+                                       cfg.max_prompt_tokens, done)}
+    (out / "prompt-card.json").write_text(json.dumps(card, indent=1) + "\n")
+    return card

@@ -7,7 +7,8 @@ Life cycle for one sequence (n = number of committed tokens, prompt included):
    `tokens` [n] are all committed tokens; the last one is not yet in the target's cache.
 3. `accept(features, num_committed)` after verification; features [1, a+1, K*H] of the verified positions
    n-1 .. n-1+a (the last committed token of the previous step and the accepted drafts).
-A `TreeProposerBase` proposes a candidate tree instead (`propose_tree` / `accept_tree`, see tree.py).
+A `TreeProposerBase` proposes a candidate tree instead (`propose_tree` / `accept_tree`, see tree.py). A proposer
+that `observes_logits` is also shown the logits of the positions it kept (`FeatureRecorder`, record.py).
 
 One proposer object holds one sequence's state; `fork()` gives another sequence its own state around the same
 weights (a stateless proposer returns itself). `propose_rows` drafts for several sequences at once: the default asks
@@ -37,6 +38,7 @@ class Proposer:
     layer_ids: tuple[int, ...] = ()
     block_size: int = 1
     proposes_trees = False  # True: `propose_tree` / `accept_tree` instead of `propose` / `accept`
+    observes_logits = False  # True: the engine also hands it the logits of the positions it kept (`observe`)
 
     @property
     def max_width(self) -> int:
@@ -58,6 +60,10 @@ class Proposer:
 
     def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
         pass
+
+    def observe(self, logits: torch.Tensor) -> None:
+        """logits [m, V] of the positions whose next token was just chosen (the prompt's last at the start, then
+        each step's verified ones); called only when `observes_logits` (recording teacher data)."""
 
     def describe(self) -> dict | None:
         """Settings the decode statistics report (None: nothing beyond the name)."""

@@ -175,8 +175,8 @@ class DFlashProposer(Proposer):
         """`distributions`, and with k > 0 each row's k most probable tokens: (q [G, V], (probs [G, k'], ids [G, k'])
         in descending order, k' = min(k, columns the draft scores)), else (q, None). The top entries are read from the
         draft's own columns (a reduced vocabulary, the copy gate's candidate): they are q's largest entries (each
-        column is a different token of q), and a topk over 8k columns costs a fraction of one over the target's 150k
-        (that one took ~1.2 ms a step, a quarter of the tree proposer's time)."""
+        column is a different token of q), and a topk over 8k columns costs a fraction of one over the target's
+        150k, which was a quarter of the tree proposer's time."""
         g = min(num_draft, self.block_size - 1)
         n = tokens.shape[0]
         assert g >= 1, "at least one position to draft"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..hf_config import text_config
 from .formats import BLOCK, WEIGHT_MODES, QWeight, bits_of, fuse, quantize, quantize_q8
 from .gguf import gguf_name, match_rows, read_gguf_weights
 from .kernels import kernel_isa, kernel_status
@@ -99,7 +100,7 @@ def gguf_plan(model: torch.nn.Module, gguf_path: str | Path) -> WeightPlan:
     """Map the GGUF file's blocks onto the model's linears, each checked against the model's own (dequantized)
     weight so that a name or row-order mismatch can never slip through: it stays float instead."""
     blocks, other = read_gguf_weights(gguf_path)
-    cfg = getattr(model.config, "text_config", None) or model.config
+    cfg = text_config(model.config)
     heads = (int(getattr(cfg, "num_attention_heads", 0) or 0), int(getattr(cfg, "num_key_value_heads", 0) or 0))
     exact: dict[str, QWeight] = {}
     kept: dict[str, str] = {}

@@ -21,6 +21,7 @@ from ...models.quant import plan_weights
 from ...models.target import TargetModel
 from ...prompts.base import Prompt
 from ..records import ShardWriter, read_shards
+from ..teacher import TeacherCacheWriter, recorded_arrays, teacher_spec
 from .prompt_set import PromptSetReport, build_prompt_set, write_prompts_jsonl
 from .sources import gsm_prompts, jsonl_prompts, sharegpt_prompts
 
@@ -62,6 +63,25 @@ def plan_batches(lengths: Sequence[int], batch_size: int, window: int) -> list[l
     return batches
 
 
+@dataclass(frozen=True)
+class RecordSpec:
+    """Teacher data written in the same pass as the answers (`FeatureRecorder`): the tapped target layers, the
+    top-k kept per position and the positions kept per record, into a teacher cache at `out_dir` (train/teacher.py:
+    what `blockdraft train --cache` reads)."""
+
+    out_dir: str | Path
+    layer_ids: tuple[int, ...]
+    topk: int = 16
+    max_len: int = 512
+    feats: str = "bf16"  # how the cache holds the features (`teacher.FEATS`: bf16, or int8 at half the bytes)
+
+    def __post_init__(self) -> None:
+        if not self.layer_ids:
+            raise ValueError("recording teacher data needs the target layers to tap")
+        if self.topk < 1 or self.max_len < 2:
+            raise ValueError(f"need topk >= 1 and max_len >= 2, got {self.topk} and {self.max_len}")
+
+
 @dataclass
 class RegenReport:
     total: int = 0  # prompts given
@@ -73,6 +93,7 @@ class RegenReport:
     seconds: float = 0.0
     truncated_bytes: int = 0  # partial last line dropped on resume
     stopped_early: bool = False  # max_batches reached
+    recorded: int = 0  # records whose teacher data this call wrote (with a RecordSpec)
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,7 +104,8 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
                temperature: float = 0.0, batch_size: int = 8, max_prompt_tokens: int = 512, shard_size: int = 1000,
                seed: int = 0, max_batches: int | None = None,
                on_batch: Callable[[list[dict]], None] | None = None, progress: bool = True,
-               progress_interval: float = 1.0, lean: bool = True, weights=None) -> RegenReport:
+               progress_interval: float = 1.0, lean: bool = True, weights=None,
+               record: RecordSpec | None = None) -> RegenReport:
     """Answer every prompt with the target and append {id, input_ids, loss_mask} records to
     `out_dir/shard-NNNNN.jsonl` (flushed and fsynced after every `batch_size` finished answers).
 
@@ -95,7 +117,10 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     Prompts over `max_prompt_tokens` are skipped (counted). `max_batches` stops after that many writes (answers in
     flight then are dropped); `on_batch(records)` is called after each write. Plain decoding on the decode engine;
     lean: on the target's fused path where its architecture has one;
-    weights: the `quant.WeightPlan` that path holds (None: float weights).
+    weights: the `quant.WeightPlan` that path holds (None: float weights);
+    record: also write each answer's teacher data (features, top-k) from the same pass, into a teacher cache,
+    before its record goes into the shards (a record found in the cache on resume is not written twice; one in the
+    shards without teacher data, from a run without `record`, is left to `blockdraft teacher-cache`).
     """
     t0 = time.perf_counter()
     rep = RegenReport(total=len(prompts))
@@ -117,8 +142,12 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     rep.already_done = sum(1 for pid in todo_ids if pid in writer.done)
     remaining = len(todo_ids) - rep.already_done
     eos = _eos_ids(model, tokenizer)
-    engine = build_engine(TargetModel(model, tokenizer, lean=lean, weights=weights), None, DecodeSpec("ar"),
-                          tokenizer=tokenizer, max_batch=max(1, batch_size))
+    target = TargetModel(model, tokenizer, lean=lean, weights=weights)
+    spec = DecodeSpec("ar") if record is None else DecodeSpec("ar", record_layers=tuple(record.layer_ids),
+                                                               record_topk=record.topk)
+    cache = None if record is None else TeacherCacheWriter(record.out_dir, dict(teacher_spec(
+        target, record.layer_ids, record.topk, record.max_len, feats=record.feats), source="regeneration"))
+    engine = build_engine(target, None, spec, tokenizer=tokenizer, max_batch=max(1, batch_size))
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos), ignore_eos=True)
 
     bar = None
@@ -128,8 +157,9 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
     # rows are refilled as they finish (a batch waiting on its longest answer would decode its last tokens a few rows
     # at a time); each row is computed as it would be alone, so which rows share a step changes nothing
     order = iter(i for batch in batches for i in batch if todo_ids[i] not in writer.done)
-    rows: dict = {}  # engine request id -> prompt index
+    rows: dict = {}  # engine request id -> (prompt index, its recorder or None)
     records: list[dict] = []
+    recorded: dict[str, dict] = {}  # record id -> teacher arrays, written before the record
 
     def refill() -> None:
         while len(rows) < batch_size and (max_batches is None or rep.batches < max_batches):
@@ -138,9 +168,18 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
                 return
             # a prompt's draws depend on the run's seed and its own index only, not on the rows beside it
             sampling = SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i)
-            rows[engine.add(tok[i], config, sampling, text=False)] = i
+            rid = engine.add(tok[i], config, sampling, text=False)
+            rows[rid] = (i, engine.proposer_of(rid) if record is not None else None)
 
     def flush() -> None:
+        if cache is not None:
+            fresh = [r["id"] for r in records if r["id"] not in cache.done]
+            if fresh:
+                arrays = [recorded.pop(k) for k in fresh]
+                cache.write_chunk(fresh, {k: [a[k] for a in arrays] for k in arrays[0]},
+                                  [len(a["tokens"]) for a in arrays])
+                rep.recorded += len(fresh)
+            recorded.clear()
         writer.write(records)
         rep.generated += len(records)
         rep.batches += 1
@@ -157,12 +196,17 @@ def regenerate(model, tokenizer, prompts: Sequence[Prompt], out_dir: str | Path,
             for ev in engine.step():
                 if not ev.finished:
                     continue
-                i = rows.pop(ev.request_id)
+                i, rec = rows.pop(ev.request_id)
                 resp = ev.result.token_ids
                 cut = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))
                 resp = resp[:cut]
                 records.append({"id": todo_ids[i], "input_ids": tok[i] + resp,
                                 "loss_mask": [0] * len(tok[i]) + [1] * len(resp)})
+                if rec is not None:  # read now: the engine may hand this recorder to the next request
+                    feats, top_ids, top_logits = rec.recorded()
+                    recorded[todo_ids[i]] = recorded_arrays(records[-1]["input_ids"], records[-1]["loss_mask"],
+                                                            feats, top_ids, top_logits, rec.first_logit_position,
+                                                            record.topk, record.max_len, record.feats)
                 rep.new_tokens += len(resp)
                 if len(records) == batch_size:
                     flush()
@@ -260,7 +304,9 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
                      max_prompt_tokens: int = 512, temperature: float = 0.0, shard_size: int = 1000,
                      num_threads: int | None = None, extra_jsonl: Sequence[str | Path] = (),
                      heldout: bool = True, max_batches: int | None = None, progress_interval: float = 30.0,
-                     only_task: str | None = None, weights: str = "auto") -> dict:
+                     only_task: str | None = None, weights: str = "auto",
+                     record_layers: Sequence[int] = (), record_topk: int = 16, record_max_len: int = 512,
+                     record_feats: str = "bf16") -> dict:
     """Build the training prompt set (`select_regeneration_prompts`) and regenerate its answers with the target.
     Re-running with the same arguments continues where the last run stopped.
 
@@ -269,6 +315,9 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     into `out_dir/shards/`. Returns {"summary": ..., "results": {"heldout": RegenReport, "train": RegenReport}}.
     only_task: regenerate only the train prompts of this task ("sharegpt", "gsm", "jsonl") not yet written, into the
     same shards: the prompt files still list the whole set, and a later run without it skips what is done.
+    record_layers: also write the teacher data of every answer from the same pass (`RecordSpec`), into
+    `out_dir/teacher-heldout/` and `out_dir/teacher/` (top-k `record_topk`, records cut to `record_max_len`, the
+    features held as `record_feats`).
     """
     if only_task not in (None, "sharegpt", "gsm", "jsonl"):
         raise ValueError(f"only_task must be sharegpt, gsm or jsonl, got {only_task!r}")
@@ -278,7 +327,8 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     out_dir.mkdir(parents=True, exist_ok=True)
     args = dict(target=target, n_sharegpt=n_sharegpt, n_gsm=n_gsm, max_new_tokens=max_new_tokens,
                 heldout_fraction=heldout_fraction, seed=seed, dtype=dtype, max_prompt_tokens=max_prompt_tokens,
-                temperature=temperature, extra_jsonl=[str(p) for p in extra_jsonl], weights=weights)
+                temperature=temperature, extra_jsonl=[str(p) for p in extra_jsonl], weights=weights,
+                record_layers=list(record_layers))
 
     model, tokenizer, src = load_hf_target(target, dtype=dtype)
     # the answers come from the target as the engine runs it: 'auto' keeps a GGUF target's own quantization
@@ -304,10 +354,13 @@ def run_regeneration(target: str | None = None, out_dir: str | Path = "data/work
     if only_task is not None:
         train = pending_of_task(train, only_task, out_dir / "shards")
     results = {}
+    rec = (lambda name: RecordSpec(out_dir / name, tuple(record_layers), record_topk, record_max_len, record_feats)
+           if record_layers else None)
     if held:
         results["heldout"] = regenerate(model, tokenizer, held, out_dir / "shards-heldout", max_batches=max_batches,
-                                        **kw)
-    results["train"] = regenerate(model, tokenizer, train, out_dir / "shards", max_batches=max_batches, **kw)
+                                        record=rec("teacher-heldout"), **kw)
+    results["train"] = regenerate(model, tokenizer, train, out_dir / "shards", max_batches=max_batches,
+                                  record=rec("teacher"), **kw)
     for name, r in results.items():
         log.info("%s: %d written (%d already done), %d new tokens in %.0f s = %.1f tok/s", name, r.generated,
                  r.already_done, r.new_tokens, r.seconds, r.tokens_per_s)

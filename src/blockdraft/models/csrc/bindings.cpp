@@ -1,11 +1,11 @@
-// Python bindings of the quantized linears (qlinear.h) and of the native decoder stack (decoder.cpp).
+// The extension module: Python bindings of the quantized linears (qlinear.h), the machine's int8 ceiling, the
+// rows' argmax, and the native layer stacks (decoder.h).
+#include "decoder.h"
 #include "qlinear.h"
 
 #include <chrono>
 
 using namespace blockdraft;
-
-void register_decoder(pybind11::module& m);
 
 namespace {
 

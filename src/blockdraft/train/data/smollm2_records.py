@@ -1,4 +1,5 @@
-"""The default target's training records, shared by its recipes: the regenerated answers (the regeneration's shards
+"""The default target's training records, shared by its recipes (`recipes/smollm2-135m-*.py`, run from the
+repository's root): the regenerated answers (the regeneration's shards
 when this checkout ran `smollm2-135m-regen.py`, else the packed copies committed in data/smollm2-regen), the held-out
 split, and the original ShareGPT answers of the training prompt set."""
 
