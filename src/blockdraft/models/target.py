@@ -251,7 +251,7 @@ class TargetModel(nn.Module):
         """The bytes the LM head streams per product: the quantized head's packed weights, else the float ones."""
         q = self._quant_head()
         if q is not None:
-            return int(q.native().weight_bytes) if q.native() is not None else 0
+            return int(q.native().weight_bytes)
         return int(self.lm_head.weight.numel() * self.lm_head.weight.element_size())
 
     def _quant_head(self) -> QuantLinear | None:
