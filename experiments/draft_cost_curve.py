@@ -31,6 +31,7 @@ from blockdraft.eval.machine import machine_info
 from blockdraft.eval.timing import measure
 from blockdraft.models.loading import default_mask_token_id, load_target
 from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.decode.tree import Tree
 
 GREEDY = SamplingParams()
 
@@ -51,11 +52,11 @@ class EagleCase:
 
     def __call__(self, n: int) -> float:
         self.prop.cache.crop(self.ctx - 1)
-        self.prop.accept(self.last, 1)
+        self.prop.accept(Tree.chain(self.tokens[-1], self.tokens[:0]), [0], self.last)
         t0 = time.perf_counter()
         out = self.prop.propose(self.tokens, n, GREEDY, None)
         dt = time.perf_counter() - t0
-        assert out.tokens.numel() == n
+        assert out.num_nodes == n + 1
         return dt
 
 
@@ -74,7 +75,7 @@ class DFlashCase:
         t0 = time.perf_counter()
         out = self.prop.propose(self.tokens, n, GREEDY, None)
         dt = time.perf_counter() - t0
-        assert out.tokens.numel() == n
+        assert out.num_nodes == n + 1
         return dt
 
 

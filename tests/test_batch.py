@@ -8,7 +8,8 @@ import torch
 from blockdraft.models.cache import KVCache
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
-from blockdraft.decode.proposers import Proposal, Proposer
+from blockdraft.decode.proposers import Proposer
+from blockdraft.decode.tree import Tree
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from blockdraft.decode.proposers.lookup import PromptLookupProposer
 from blockdraft.decode.proposers.tree import TreeProposer
@@ -47,9 +48,9 @@ class RowOracle(Proposer):
     def propose(self, tokens, num_draft, sampling, generator):
         done = tokens.numel() - self.n0
         nxt = self.cont[done: done + min(num_draft, self.block_size - 1)]
-        return Proposal(torch.tensor(nxt, dtype=torch.long), None)
+        return Tree.chain(tokens[-1], torch.tensor(nxt, dtype=torch.long))
 
-    def accept(self, features, num_committed):
+    def accept(self, tree, path, features):
         pass
 
 

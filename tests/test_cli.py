@@ -220,3 +220,15 @@ def test_soak_report_records_its_options_as_json():
     c = json.loads(json.dumps(rep))["config"]
     assert c["minutes"] == 0.5 and c["max_batch"] == 2 and c["max_queue"] == 3 and c["max_tokens"] == 16
     assert "max-batch 2, max-queue 3" in markdown(rep) and "`blockdraft soak --minutes 0.5`" in markdown(rep)
+
+
+def test_every_subcommand_prints_its_help():
+    """`--help` of each subcommand formats (argparse expands % in help strings, so a bare one breaks it)."""
+    import argparse
+
+    from blockdraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(sub.choices) > 10
+    for name, parser in sub.choices.items():
+        assert parser.format_help().startswith("usage:"), name

@@ -139,15 +139,15 @@ def test_a_dominant_bonus_proposes_the_lookup_continuation(llama_target, vocab):
     draft = _gated(llama_target, vocab=ids, bonus=1e4)
     prop = DFlashProposer(draft, llama_target, block_size=8)
     _start(prop, llama_target, prompt)
-    got = prop.propose(prompt, 7, SamplingParams(), None).tokens
+    got = prop.propose(prompt, 7, SamplingParams(), None).candidates
     cont, n = lookup_continuation(prompt, 7)
     assert n == 2 and got.tolist() == cont.tolist()
     short = torch.tensor([3, 4, 3])  # "3" at 0 -> 4 3 (cut at the prefix's end): rows 3.. are the draft's
     plain = DFlashProposer(_gated(llama_target, vocab=ids, bonus=0.0), llama_target, block_size=8)
     for p in (prop, plain):
         _start(p, llama_target, short)
-    a = prop.propose(short, 5, SamplingParams(), None).tokens
-    b = plain.propose(short, 5, SamplingParams(), None).tokens
+    a = prop.propose(short, 5, SamplingParams(), None).candidates
+    b = plain.propose(short, 5, SamplingParams(), None).candidates
     assert a[:2].tolist() == [4, 3] and a[2:].tolist() == b[2:].tolist()
 
 
@@ -172,12 +172,12 @@ def test_sampled_proposals_carry_the_distribution_they_were_drawn_from(llama_tar
     prop = DFlashProposer(draft, llama_target, block_size=6)
     _start(prop, llama_target, prompt)
     p = prop.propose(prompt, 5, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
-    assert p.probs.shape == (5, 99)
-    torch.testing.assert_close(p.probs.sum(-1), torch.ones(5))
-    assert bool((p.probs.gather(1, p.tokens.unsqueeze(1)) > 0).all())
+    assert p.q.shape == (5, 99)
+    torch.testing.assert_close(p.q.sum(-1), torch.ones(5))
+    assert bool((p.q.gather(1, p.candidates.unsqueeze(1)) > 0).all())
     cont, _ = lookup_continuation(prompt, 5)  # 8 9 5 6 7: 9 and 5 lie outside the 25-token vocabulary
     outside = [i for i, t in enumerate(cont.tolist()) if t % 4]
-    assert outside and all(float(p.probs[i, cont[i]]) > 0 for i in outside)
+    assert outside and all(float(p.q[i, cont[i]]) > 0 for i in outside)
 
 
 def test_gate_saved_beside_the_public_layout(llama_target, tmp_path):

@@ -8,6 +8,7 @@ from blockdraft.models.cache import KVCache
 from blockdraft.config import SamplingParams
 from blockdraft.models.draft_lean import LeanDraft
 from blockdraft.decode.proposers.dflash import DFlashProposer
+from blockdraft.decode.tree import Tree
 from conftest import MASK_ID, tiny_draft
 
 # fp32: fused projections sum each output in the same order as separate ones, but SDPA over a cache view and over a
@@ -22,9 +23,10 @@ def _trained_looking(draft):
     return draft
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_lean_context_and_block_equal_the_module(target, layers):
-    draft = _trained_looking(tiny_draft(target, layers=layers))
+@pytest.mark.parametrize("layers,mlp", [(1, None), (3, None), (1, 23)])
+def test_lean_context_and_block_equal_the_module(target, layers, mlp):
+    """mlp: a draft MLP narrower than the target's (odd width) instead of the target's own."""
+    draft = _trained_looking(tiny_draft(target, layers=layers, intermediate_size=mlp))
     lean = LeanDraft(draft)
     cfg = draft.config
     g = torch.Generator().manual_seed(0)
@@ -77,7 +79,7 @@ def test_proposer_lean_and_module_paths_propose_the_same(llama_target):
     for lean in (True, False):
         p = DFlashProposer(draft, llama_target, lean=lean)
         p.start(prompt, feats[:, :-1])
-        props.append((p.propose(prompt, 5, SamplingParams(), None).tokens,
+        props.append((p.propose(prompt, 5, SamplingParams(), None).candidates,
                       p.distributions(prompt, 5, SamplingParams())))
     assert torch.equal(props[0][0], props[1][0])
     torch.testing.assert_close(props[0][1], props[1][1], **TOL)
@@ -95,7 +97,8 @@ def test_next_token_feature_pairs_each_context_position_with_the_token_after_it(
     p = DFlashProposer(draft, llama_target, lean=lean)
     p.start(tokens[:8], feats[:, :8])  # the prompt's 8 positions; tokens[8] came from the prefill
     p.propose(tokens[:9], 5, SamplingParams(), None)
-    p.accept(feats[:, 8:11], 3)  # the anchor and two accepted drafts; tokens[11] is the new anchor
+    p.accept(Tree.chain(tokens[8], tokens[9:11]), [0, 1, 2], feats[:, 8:11])  # the anchor, two accepted drafts;
+    # tokens[11] is the new anchor
     p.propose(tokens[:12], 5, SamplingParams(), None)
     fused = torch.cat([feats[:, :11], 7.0 * llama_target.embed(tokens[1:12].unsqueeze(0))], dim=-1)
     ks, vs = draft.context_kv(fused, torch.arange(11).unsqueeze(0))

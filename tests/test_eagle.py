@@ -166,10 +166,10 @@ def test_sampling_returns_the_draft_distribution_and_the_engine_runs(llama_targe
     prop.start(prompt, feats[:, :-1])
     sp = SamplingParams(temperature=1.0, top_k=20, seed=0)
     out = prop.propose(prompt, 3, sp, torch.Generator().manual_seed(0))
-    assert out.tokens.shape == (3,) and out.probs.shape == (3, 99)
-    torch.testing.assert_close(out.probs.sum(-1), torch.ones(3))
-    assert bool((out.probs.gather(1, out.tokens.unsqueeze(1)) > 0).all())
-    assert int((out.probs[0] > 0).sum()) == 20  # top-k applied to q as to p
+    assert out.candidates.shape == (3,) and out.q.shape == (3, 99)
+    torch.testing.assert_close(out.q.sum(-1), torch.ones(3))
+    assert bool((out.q.gather(1, out.candidates.unsqueeze(1)) > 0).all())
+    assert int((out.q[0] > 0).sum()) == 20  # top-k applied to q as to p
     assert prop.cache.length == prompt.numel() - 1, "speculative rows cropped"
 
     eng = Engine(llama_target, EagleProposer(draft, llama_target, gamma=4))
@@ -186,7 +186,7 @@ class RecordingEagle(EagleProposer):
 
     def propose(self, tokens, num_draft, sampling, generator):
         out = super().propose(tokens, num_draft, sampling, generator)
-        self.log.append((tokens.clone(), out.tokens.clone()))
+        self.log.append((tokens.clone(), out.candidates.clone()))
         return out
 
 

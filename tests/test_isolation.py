@@ -7,7 +7,8 @@ import torch
 
 from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine, StepError
-from blockdraft.decode.proposers import Proposal, Proposer
+from blockdraft.decode.proposers import Proposer
+from blockdraft.decode.tree import Tree
 
 POISON = 77  # a prompt whose first token is this one is the faulty row
 
@@ -34,9 +35,9 @@ class FaultyProposer(Proposer):
     def propose(self, tokens, num_draft, sampling, generator):
         if self.poisoned and self.phase == "drafting":
             raise RuntimeError("injected drafting fault")
-        return Proposal(tokens[-1:].repeat(num_draft), None)
+        return Tree.chain(tokens[-1], tokens[-1:].repeat(num_draft))
 
-    def accept(self, features, num_committed):
+    def accept(self, tree, path, features):
         if self.poisoned and self.phase == "verification":
             raise RuntimeError("injected verification fault")
 

@@ -1,7 +1,7 @@
 """The package's layout, checked from its source: dependencies point one way (models <- decode <- train / eval /
 serve <- cli, with config, paths and prompts below them all), no import cycle, package code imported at module level
-outside the CLI, engines and proposers built in decode/ only (experiments/ and recipes/ included), files beside the
-package importing through it, the native sources included downward only, and files of one concept each (no source
+outside the CLI, engines and proposers built in decode/ only (experiments/ and recipes/ included), one proposer
+interface and one verifier, files beside the package importing through it, the native sources included downward only, and files of one concept each (no source
 file, Python or C++, over MAX_LINES; experiments/, recipes/ and csrc/ counted)."""
 
 from __future__ import annotations
@@ -137,6 +137,22 @@ def test_engines_are_built_in_decode_only():
             if b in text.replace(f"class {b}", ""):
                 calls.append(f"{rel}: {b}")
     assert not calls, calls
+
+
+def test_one_proposer_interface_and_one_verifier():
+    """Chains and trees go one way: every proposer's `propose` returns a tree, one verifier module walks it, and the
+    engine, its rows and its step functions never ask whether a proposer drafts a chain or a tree."""
+    decode = PKG / "decode"
+    assert not (decode / "verify_tree.py").exists()
+    for name in ("engine.py", "row.py", "step.py"):
+        text = (decode / name).read_text(encoding="utf-8")
+        for word in ("proposes_trees", "propose_tree", "accept_tree", "verify_chain", "Proposal"):
+            assert word not in text, f"decode/{name}: {word}"
+    for path in (decode / "proposers").glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        methods = {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+                   if isinstance(f, ast.FunctionDef)}
+        assert not methods & {"propose_tree", "accept_tree"}, path.name
 
 
 def test_experiments_and_recipes_import_through_the_package():

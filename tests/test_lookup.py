@@ -47,8 +47,9 @@ def test_proposer_protocol():
     assert p.name == "pld" and p.layer_ids == () and p.block_size == 16
     toks = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
     prop = p.propose(toks, 3, SamplingParams(), None)
-    assert prop.tokens.tolist() == [3, 4, 5] and prop.tokens.dtype == torch.long and prop.probs is None
-    assert PromptLookupProposer(num_pred=2).propose(toks, 5, SamplingParams(), None).tokens.tolist() == [3, 4]
+    assert prop.candidates.tolist() == [3, 4, 5] and prop.tokens.dtype == torch.long and prop.q is None
+    assert prop.is_chain and int(prop.tokens[0]) == 2  # rooted at the last committed token
+    assert PromptLookupProposer(num_pred=2).propose(toks, 5, SamplingParams(), None).candidates.tolist() == [3, 4]
     with pytest.raises(ValueError):
         PromptLookupProposer(max_ngram=1, min_ngram=2)
 

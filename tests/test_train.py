@@ -154,6 +154,32 @@ def test_layer_init_from_target_reproduces_its_values(tiny):
                          ).init_layers_from_target(tiny)
 
 
+def test_a_narrower_draft_mlp_keeps_the_targets_strongest_channels(tiny):
+    """intermediate_size below the target's: the copied MLP equals the target's MLP with every other channel's
+    activation zeroed (the naive reference), on the channels of the largest |gate| * |up| * |down| norms."""
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
+
+    src = tiny.layers[-1].mlp
+    full = src.down_proj.weight.shape[1]
+    width = full // 2 + 1  # odd sizes: nothing lines up by accident
+    cfg = DFlashConfig.from_target(tiny.config, num_hidden_layers=1, block_size=8, mask_token_id=MASK_ID,
+                                   num_target_features=2, intermediate_size=width)
+    draft = DFlashDraftModel(cfg).float().init_layers_from_target(tiny)
+    score = (src.gate_proj.weight.float().norm(dim=1) * src.up_proj.weight.float().norm(dim=1)
+             * src.down_proj.weight.float().norm(dim=0))
+    kept = torch.zeros(full, dtype=torch.bool)
+    kept[score.topk(width).indices] = True
+    x = torch.randn(5, tiny.hidden_size, generator=torch.Generator().manual_seed(0))
+    act = torch.nn.functional.silu(x @ src.gate_proj.weight.float().T) * (x @ src.up_proj.weight.float().T)
+    ref = (act * kept) @ src.down_proj.weight.float().T
+    torch.testing.assert_close(draft.layers[0].mlp(x), ref, rtol=1e-5, atol=1e-5)  # fp32, summed in another order
+    with pytest.raises(ValueError, match="channels"):
+        DFlashDraftModel(DFlashConfig.from_target(tiny.config, num_hidden_layers=1, block_size=8,
+                                                  mask_token_id=MASK_ID, num_target_features=2,
+                                                  intermediate_size=full + 1)).init_layers_from_target(tiny)
+
+
 def test_target_labels_are_the_targets_greedy_tokens(tiny, tmp_path):
     """Teacher-forced target labels equal the data's labels on the target's own greedy text (same loss, fp32), and
     differ on text the target would not write."""

@@ -1,4 +1,4 @@
-"""Candidate trees (tree.py), their verifiers (verify_tree.py), the verify-cost calibration and the budget choice:
+"""Candidate trees (tree.py), their verifier (verify.py), the verify-cost calibration and the budget choice:
 pure functions on hand-built inputs, a brute-force reference for best-first expansion, and a distribution-level
 losslessness test of multi-candidate rejection sampling."""
 
@@ -13,7 +13,7 @@ from blockdraft.models.ngram import find_continuations
 from blockdraft.decode.proposers.tree import TreeProposer
 from blockdraft.models.target import TargetModel
 from blockdraft.decode.tree import MalformedTree, Tree, ancestor_mask, build_tree, check_tree
-from blockdraft.decode.verify_tree import greedy_verify_tree, rejection_verify_tree
+from blockdraft.decode.verify import greedy_verify, rejection_verify
 from conftest import tiny_llama
 
 V = 7
@@ -243,27 +243,27 @@ SMALL = _tree([ROOT, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 4])
 
 
 def test_greedy_tree_follows_the_target_through_a_second_child():
-    path, committed = greedy_verify_tree(SMALL, _one_hot([1, 4, 0, 0, 5, 3]))
+    path, committed = greedy_verify(SMALL, _one_hot([1, 4, 0, 0, 5, 3]))
     assert path == [0, 1, 4, 5] and committed == [1, 4, 5, 3]  # 3 accepted, bonus 3 at the leaf
 
 
 def test_greedy_tree_recovers_when_no_child_matches():
-    path, committed = greedy_verify_tree(SMALL, _one_hot([1, 6, 0, 0, 0, 0]))
+    path, committed = greedy_verify(SMALL, _one_hot([1, 6, 0, 0, 0, 0]))
     assert path == [0, 1] and committed == [1, 6]
-    path, committed = greedy_verify_tree(SMALL, _one_hot([0, 0, 0, 0, 0, 0]))
+    path, committed = greedy_verify(SMALL, _one_hot([0, 0, 0, 0, 0, 0]))
     assert path == [0] and committed == [0]
 
 
 def test_verifiers_check_shapes():
     with pytest.raises(AssertionError):
-        greedy_verify_tree(SMALL, _one_hot([1, 2, 3]))
+        greedy_verify(SMALL, _one_hot([1, 2, 3]))
 
 
 def test_rejection_tree_with_a_certain_target_behaves_like_greedy():
     g = torch.Generator().manual_seed(0)
     tree = _tree([ROOT, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 4], q=torch.full((3, V), 1.0 / V))
     for _ in range(20):
-        path, committed = rejection_verify_tree(tree, _one_hot([2, 4, 0, 0, 5, 3]).softmax(-1), g)
+        path, committed = rejection_verify(tree, _one_hot([2, 4, 0, 0, 5, 3]).softmax(-1), g)
         assert path == [0, 2] and committed == [2, 0]
 
 
@@ -293,7 +293,7 @@ def test_tree_rejection_sampling_is_lossless_over_two_tokens():
             tree = build_tree(prev, q, budget=6, top_k=2, lookups=[[i % v, (i // v) % v]], lookup_conf=[0.4],
                               sample=True, generator=gen)
             p = target[tree.tokens]  # row i: the target's distribution after node i (a bigram looks one back)
-            _, committed = rejection_verify_tree(tree, p, gen)
+            _, committed = rejection_verify(tree, p, gen)
             out += committed
             prev = out[-1]
         counts[out[0], out[1]] += 1
@@ -380,8 +380,8 @@ def test_rejection_verify_tree_takes_rows_on_demand():
     paths = set()
     for seed in range(30):
         asked: list[int] = []
-        a = rejection_verify_tree(tree, probs, torch.Generator().manual_seed(seed))
-        b = rejection_verify_tree(tree, lambda i: asked.append(i) or probs[i], torch.Generator().manual_seed(seed))
+        a = rejection_verify(tree, probs, torch.Generator().manual_seed(seed))
+        b = rejection_verify(tree, lambda i: asked.append(i) or probs[i], torch.Generator().manual_seed(seed))
         assert a == b and asked == a[0]
         paths.add(tuple(a[0]))
     assert len(paths) > 1, "the seeds reach more than one path"

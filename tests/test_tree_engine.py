@@ -118,7 +118,7 @@ class FakeDraft:
     def start(self, prompt_ids, features):
         pass
 
-    def accept(self, features, num_committed):
+    def accept(self, tree, path, features):
         pass
 
     def distributions_top(self, tokens, num_draft, sampling, k):
@@ -222,8 +222,8 @@ def test_tree_sampling_is_reproducible_with_a_seed(llama_target):
 
 def test_engine_rejects_a_malformed_tree(llama_target):
     class Bad(TreeProposer):
-        def propose_tree(self, tokens, max_depth, sampling, generator):
-            tree = super().propose_tree(tokens, max_depth, sampling, generator)
+        def propose(self, tokens, max_depth, sampling, generator):
+            tree = super().propose(tokens, max_depth, sampling, generator)
             tree.parents[-1] = tree.num_nodes - 1  # a node that is its own parent
             return tree
 
@@ -272,15 +272,15 @@ def test_bench_runs_the_tree_methods(tmp_path, monkeypatch):
 
 
 def test_lookup_rates_are_learnt_per_position_class():
-    """accept_tree counts, per matched n-gram length, a branch's first token and its later tokens apart: trials
+    """accept counts, per matched n-gram length, a branch's first token and its later tokens apart: trials
     while the parent was accepted, hits when the token was."""
     prop = TreeProposer(None, lookup=True, budget=20, lookup_depth=4)
     prop.start(torch.tensor([1]), None)
     tokens = torch.tensor([7, 1, 2, 3, 4, 9, 7, 1])  # the 2-gram "7 1" occurred before: the continuation is 2 3 4 9
-    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    tree = prop.propose(tokens, 4, SamplingParams(), None)
     assert prop._lookups[0] == [2, 3, 4, 9] and prop._ngrams[0] == 2
     node = {tuple(tree.path_tokens(i)): i for i in range(tree.num_nodes)}
-    prop.accept_tree(tree, [0, node[(2,)], node[(2, 3)]], None)  # 2 and 3 accepted, 4 rejected
+    prop.accept(tree, [0, node[(2,)], node[(2, 3)]], None)  # 2 and 3 accepted, 4 rejected
     assert prop._trials[2] == [1.0, 2.0] and prop._hits[2] == [1.0, 1.0]
     assert prop.lookup_rate(2, first=True) == pytest.approx(2 / 3) and prop.lookup_rate(2, first=False) == 0.5
     assert prop.lookup_rate(1, first=True) == 0.5  # other match lengths keep the prior
@@ -329,9 +329,9 @@ def test_draft_skip_uses_the_measured_gain_not_the_drafts_confidence(llama_targe
     class Logged(TreeProposer):
         steps = []
 
-        def propose_tree(self, tokens, max_depth, sampling, generator):
+        def propose(self, tokens, max_depth, sampling, generator):
             before, measured = len(calls), self.measured_gain.value is not None
-            tree = super().propose_tree(tokens, max_depth, sampling, generator)
+            tree = super().propose(tokens, max_depth, sampling, generator)
             self.steps.append((bool(self._lookups), measured, len(calls) > before))
             return tree
 
@@ -361,12 +361,12 @@ def test_lookup_only_steps_verify_the_first_branch_as_a_causal_chain(llama_targe
     cheap_chain = VerifyCost([1.0 + 1.0 * w for w in widths], chain_seconds=[1.0 + 0.01 * w for w in widths])
     prop = TreeProposer(None, lookup=True, verify_cost=cheap_chain, lookup_depth=4)
     prop.start(tokens, None)
-    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    tree = prop.propose(tokens, 4, SamplingParams(), None)
     assert tree.is_chain and tree.path_tokens(tree.num_nodes - 1) == [4, 5, 8, 7]  # all 4: the chain is cheap
     dear_chain = VerifyCost([1.0 + 0.01 * w for w in widths], chain_seconds=[1.0 + 1.0 * w for w in widths])
     prop = TreeProposer(None, lookup=True, verify_cost=dear_chain, lookup_depth=4)
     prop.start(tokens, None)
-    tree = prop.propose_tree(tokens, 4, SamplingParams(), None)
+    tree = prop.propose(tokens, 4, SamplingParams(), None)
     assert tree.num_nodes == 1  # each token costs as much as a step: verify none (priced as a chain, not a tree)
 
     masks = []

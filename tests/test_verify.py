@@ -1,72 +1,96 @@
-"""The verifier as a pure function: hand-built cases and a distribution-level losslessness check."""
+"""The verifier on chains (a chain is the tree whose parents are i - 1): hand-built cases, a naive reference for
+greedy acceptance, and a distribution-level losslessness check of rejection sampling."""
 
 import pytest
 import torch
 
+from blockdraft.decode.tree import Tree
 from blockdraft.decode.verify import greedy_verify, rejection_verify
 
 V = 7
 HI, LO = 100.0, -100.0  # one-hot logits: the target is certain
-ACCEPT_ALL, FIRST_REJECTED = 3, 0
+ROOT = 0  # the last committed token; its value does not enter acceptance
 
 
 def one_hot_logits(tokens: list[int]) -> torch.Tensor:
-    """[1, len(tokens), V] logits whose argmax (and, softmaxed, whose only mass) is each given token."""
-    x = torch.full((1, len(tokens), V), LO)
-    x[0, torch.arange(len(tokens)), torch.tensor(tokens)] = HI
+    """[len(tokens), V] logits whose argmax (and, softmaxed, whose only mass) is each given token."""
+    x = torch.full((len(tokens), V), LO)
+    x[torch.arange(len(tokens)), torch.tensor(tokens)] = HI
     return x
 
 
+def chain(drafts: list[int], q: torch.Tensor | None = None) -> Tree:
+    return Tree.chain(ROOT, torch.tensor(drafts, dtype=torch.long), q)
+
+
+def naive_greedy(drafts: list[int], logits: torch.Tensor) -> list[int]:
+    """The committed tokens of a greedy chain step, position by position: the target's argmax after each accepted
+    draft, stopping at the first draft that differs from it (which is replaced by that argmax)."""
+    out = []
+    for i, want in enumerate(logits.argmax(-1).tolist()):
+        out.append(want)
+        if i == len(drafts) or drafts[i] != want:
+            return out
+    return out
+
+
 def test_greedy_all_accepted_takes_bonus():
-    drafts = torch.tensor([[1, 2, 3]])
-    tokens, acc = greedy_verify(drafts, one_hot_logits([1, 2, 3, 5]))
-    assert acc.tolist() == [ACCEPT_ALL]
-    assert tokens[0, : ACCEPT_ALL + 1].tolist() == [1, 2, 3, 5]  # the last one is the bonus
+    path, committed = greedy_verify(chain([1, 2, 3]), one_hot_logits([1, 2, 3, 5]))
+    assert path == [0, 1, 2, 3]
+    assert committed == [1, 2, 3, 5]  # the last one is the bonus
 
 
 def test_greedy_first_rejected_recovers_target_token():
-    tokens, acc = greedy_verify(torch.tensor([[4, 2, 3]]), one_hot_logits([1, 2, 3, 5]))
-    assert acc.tolist() == [FIRST_REJECTED]
-    assert tokens[0, :1].tolist() == [1]
+    path, committed = greedy_verify(chain([4, 2, 3]), one_hot_logits([1, 2, 3, 5]))
+    assert path == [0] and committed == [1]
 
 
 def test_greedy_later_match_after_mismatch_does_not_count():
-    tokens, acc = greedy_verify(torch.tensor([[1, 6, 3]]), one_hot_logits([1, 2, 3, 5]))
-    assert acc.tolist() == [1]
-    assert tokens[0, :2].tolist() == [1, 2]
+    path, committed = greedy_verify(chain([1, 6, 3]), one_hot_logits([1, 2, 3, 5]))
+    assert path == [0, 1] and committed == [1, 2]
 
 
-def test_greedy_batch_rows_are_independent():
-    drafts = torch.tensor([[1, 2], [0, 0]])
-    logits = torch.cat([one_hot_logits([1, 2, 4]), one_hot_logits([0, 3, 4])])
-    tokens, acc = greedy_verify(drafts, logits)
-    assert acc.tolist() == [2, 1]
-    assert tokens[1, :2].tolist() == [0, 3]
+def test_greedy_matches_the_naive_reference_on_random_chains():
+    """Random logits and drafts that agree with the argmax for a random prefix: every acceptance length, ties in
+    the logits included (rounded to halves, so maxima repeat; argmax takes the first)."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        n = int(torch.randint(0, 6, (1,), generator=g))
+        logits = (torch.randn(n + 1, V, generator=g) * 2).round() / 2
+        want = logits.argmax(-1).tolist()
+        keep = int(torch.randint(0, n + 1, (1,), generator=g))
+        drafts = want[:keep] + torch.randint(0, V, (n - keep,), generator=g).tolist()
+        path, committed = greedy_verify(chain(drafts), logits)
+        assert committed == naive_greedy(drafts, logits)
+        assert path == list(range(len(committed)))
 
 
 def test_shapes_are_checked():
     with pytest.raises(AssertionError):
-        greedy_verify(torch.tensor([[1, 2]]), one_hot_logits([1, 2]))
+        greedy_verify(chain([1, 2]), one_hot_logits([1, 2]))
 
 
 def test_rejection_certain_target_behaves_like_greedy():
     g = torch.Generator().manual_seed(0)
     p = one_hot_logits([1, 2, 3, 5]).softmax(-1)
-    q = torch.full((1, 3, V), 1.0 / V)
-    tokens, acc = rejection_verify(torch.tensor([[1, 2, 3]]), q, p, g)
-    assert acc.tolist() == [ACCEPT_ALL] and tokens[0].tolist() == [1, 2, 3, 5]
-    tokens, acc = rejection_verify(torch.tensor([[1, 4, 3]]), q, p, g)
-    assert acc.tolist() == [1] and tokens[0, :2].tolist() == [1, 2]  # recovered = the only token p allows
+    q = torch.full((3, V), 1.0 / V)
+    path, committed = rejection_verify(chain([1, 2, 3], q), p, g)
+    assert path == [0, 1, 2, 3] and committed == [1, 2, 3, 5]
+    path, committed = rejection_verify(chain([1, 4, 3], q), p, g)
+    assert path == [0, 1] and committed == [1, 2]  # recovered = the only token p allows
 
 
 def test_rejection_point_mass_draft():
-    """draft_probs=None (deterministic proposer): the recovered token never equals the rejected draft."""
+    """A deterministic proposal (no q): the recovered token never equals the rejected draft."""
     g = torch.Generator().manual_seed(0)
-    p = torch.tensor([[[0.5, 0.5, 0, 0, 0, 0, 0]] * 2])
+    p = torch.tensor([[0.5, 0.5, 0, 0, 0, 0, 0]] * 2)
+    rejected = 0
     for _ in range(50):
-        tokens, acc = rejection_verify(torch.tensor([[0]]), None, p, g)
-        if acc.item() == 0:
-            assert tokens[0, 0].item() == 1
+        path, committed = rejection_verify(chain([0]), p, g)
+        if path == [0]:
+            rejected += 1
+            assert committed == [1]
+    assert 0 < rejected < 50  # p(0) = 1/2: both outcomes occur in 50 seeded draws
 
 
 def _bigram(seed: int, v: int) -> torch.Tensor:
@@ -74,9 +98,11 @@ def _bigram(seed: int, v: int) -> torch.Tensor:
     return torch.softmax(torch.randn(v, v, generator=g) * 1.5, dim=-1)  # P[prev, next]
 
 
-def test_rejection_sampling_is_lossless_over_two_tokens():
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_sampling_is_lossless_over_two_tokens(point_mass):
     """Run speculative steps against a bigram target with a mismatched draft until two tokens are committed and
-    compare their joint distribution with the target's, by a chi-square test on 16 cells (df = 15).
+    compare their joint distribution with the target's, by a chi-square test on 16 cells (df = 15). point_mass: the
+    drafts are proposed as deterministic tokens (prompt lookup's case) rather than with their q.
 
     Threshold 42.6 is the 0.9999 quantile of chi2(15): with a random seed the false-failure rate would be 1e-4;
     the seed is fixed, so the test is deterministic.
@@ -91,11 +117,10 @@ def test_rejection_sampling_is_lossless_over_two_tokens():
         out: list[int] = []
         prev = start
         while len(out) < 2:
-            d = torch.multinomial(draft, 1, generator=gen).view(1, g_len)
-            ctx = [prev] + d[0].tolist()
-            p = target[torch.tensor(ctx)].unsqueeze(0)  # rows: p(.|prev), p(.|d1), ...
-            tokens, acc = rejection_verify(d, draft.unsqueeze(0), p, gen)
-            step = tokens[0, : acc.item() + 1].tolist()
+            d = torch.multinomial(draft, 1, generator=gen).view(g_len)
+            ctx = [prev] + d.tolist()
+            p = target[torch.tensor(ctx)]  # rows: p(.|prev), p(.|d1), ...
+            _, step = rejection_verify(Tree.chain(prev, d, None if point_mass else draft), p, gen)
             out += step
             prev = out[-1]
         counts[out[0], out[1]] += 1
@@ -106,8 +131,8 @@ def test_rejection_sampling_is_lossless_over_two_tokens():
 
 def test_rejection_all_rows_accept_when_draft_equals_target():
     v = 5
-    p = torch.softmax(torch.randn(1, 4, v, generator=torch.Generator().manual_seed(0)), -1)
+    p = torch.softmax(torch.randn(4, v, generator=torch.Generator().manual_seed(0)), -1)
     gen = torch.Generator().manual_seed(1)
-    d = torch.multinomial(p[0, :3], 1, generator=gen).view(1, 3)
-    _, acc = rejection_verify(d, p[:, :3], p, gen)
-    assert acc.item() == 3  # p/q = 1 at every position: acceptance is certain
+    d = torch.multinomial(p[:3], 1, generator=gen).view(3)
+    path, _ = rejection_verify(Tree.chain(ROOT, d, p[:3]), p, gen)
+    assert len(path) - 1 == 3  # p/q = 1 at every position: acceptance is certain

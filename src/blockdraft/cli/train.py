@@ -155,7 +155,7 @@ def register(sub) -> None:
                    help="with --record-layers: positions kept per record (as teacher-cache's --max-len)")
     d.add_argument("--record-feats", default="bf16", choices=FEATS,
                    help="with --record-layers: the features as bf16, or int8 codes with a scale per 32 values "
-                        "(56% of the disk)")
+                        "(56%% of the disk)")
     d.set_defaults(func=cmd_data)
 
     w = sub.add_parser("wide-prompts", help="the wide prompt set (ShareGPT turns, reasoning-gym, evals, "
@@ -210,7 +210,7 @@ def register(sub) -> None:
     tc.add_argument("--topk", type=int, default=16)
     tc.add_argument("--max-len", type=int, default=512)
     tc.add_argument("--feats", default="bf16", choices=FEATS,
-                    help="the features as bf16, or int8 codes with a scale per 32 values (56% of the disk)")
+                    help="the features as bf16, or int8 codes with a scale per 32 values (56%% of the disk)")
     tc.add_argument("--limit", type=int, default=None, help="N records only (the first N, or N from --offset)")
     tc.add_argument("--offset", type=int, default=0,
                     help="skip the first N records: cache records appended after an earlier cache in a cache of "

@@ -5,27 +5,30 @@ generation (`generate`, `stream`) is a batch of one through the same `step`. One
 1. rows marked cancelled are dropped;
 2. waiting rows are admitted while there is room: each is prefilled on its own cache (in chunks of `prefill_chunk`
    tokens), picks its first token and starts its proposer;
-3. every row proposes: a chain of up to G_i drafts, or a candidate tree (its own width); rows whose proposers share
-   a batched forward (the DFlash draft) draft in one call (`Proposer.propose_rows`);
+3. every row proposes a candidate tree of depth <= G_i (a chain of G_i drafts is the tree whose parents are i - 1);
+   rows of one proposer class propose in one call, one forward where they share one (the DFlash draft,
+   `Proposer.propose_rows`);
 4. ONE target forward verifies every row (`TargetModel.forward_rows`): the projections and the MLP read each weight
    once for all rows, each row attends over its own cache;
-5. each row is verified on its own (greedy or rejection sampling with its own seeded generator, chain or tree),
-   commits a_i + 1 tokens, crops (chain) or compacts (tree) its cache, and is checked for stops (EOS, stop ids,
-   stop strings, max tokens), streaming only text that can no longer become a stop string.
+5. each row is verified on its own by the one verifier (verify.py: greedy, or rejection sampling with the row's own
+   seeded generator), commits a_i + 1 tokens, keeps the accepted path's keys/values (a chain's: a crop), and is
+   checked for stops (EOS, stop ids, stop strings, max tokens), streaming only text that can no longer become a
+   stop string.
 
 Invariant at the top of every step, per row (n = committed tokens, prompt included): its cache holds n-1 positions
 (the last committed token t is not in it yet) and a feature-conditioned proposer holds context for the same n-1.
-A chain step feeds [t, d_1..d_G] at positions n-1..n-1+G, commits a+1 tokens and crops the cache to n+a; a tree step
-feeds every node at position n-1+depth and keeps the accepted path's keys/values at n-1..n-1+a. With no proposer
-(G = 0) the same step is plain autoregressive decoding, the fair baseline.
+A step feeds every node at position n-1+depth (a chain [t, d_1..d_G] causally at n-1..n-1+G, with no mask to
+build), commits a+1 tokens and keeps the accepted path's keys/values at n-1..n-1+a (a chain's: the cache cropped to
+n+a). With no proposer (G = 0) the same step is plain autoregressive decoding, the fair baseline.
 
 Each row has its own preallocated cache: rows of any lengths share a step without padding, and a row leaving costs
 nothing. On the native stack a row's numbers do not depend on the other rows, so a batched row is its solo run bit
 for bit (tests: batched == solo == naive, token for token, in fp32 on tiny random models).
 
-How much to draft is policy.py's call, from measured costs: per row, its chain's width (`width_cost`: adaptive,
-else the full block); per step, whether several rows draft at all (`batch_cost`, `draft_max_batch`); a step that
-does not draft verifies each row's last token alone. `max_step_tokens` shares a budget of verified positions.
+How much to draft is policy.py's call, from measured costs: per row, its chain's width (`width_cost`: adaptive, else
+the full block; a tree proposer sizes its own tree within the depth it is given); per step, whether several rows
+draft at all (`batch_cost`, `draft_max_batch`); a step that does not draft verifies each row's last token alone.
+`max_step_tokens` shares a budget of verified positions.
 Pieces: row.py (a row), step.py (per plan), stats.py (results, events), stops.py (stop strings, streaming)."""
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from .policy import BatchPolicy, SharedMeasures
 from .proposers import NoDraft, Proposer
 from .row import Sequence, check_prompt, pick_token
 from .stats import DecodeStats, GenerationResult, StepError, StepEvent
-from .step import Plan, forward_plans, prefill_chunk, propose_chains, propose_tree, verify_chain, verify_tree
+from .step import Plan, forward_plans, prefill_chunk, propose, verify
 from .stops import Generation
 
 __all__ = ["DecodeStats", "Engine", "Generation", "GenerationResult", "StepError", "StepEvent"]
@@ -364,42 +367,35 @@ class Engine:
                 g = min(g, per_row - 1)
             out.append((row, g))
         limits = [g for _, g in out]
-        out = [(row, g if row.proposer.proposes_trees else row.width.choose(g)) for row, g in out]
+        out = [(row, row.width.choose(g)) for row, g in out]
         if not self.batch_policy.drafts([(row.gain.value, g) for row, g in out]):
             self.plain_steps += 1
             out = [(row, 0) for row, _ in out]
         for (row, g), limit in zip(out, limits):
-            if not row.proposer.proposes_trees:
-                row.width.record(g, limit)
+            row.width.record(g, limit)
         return out
 
     def _propose(self, limits: list[tuple[Sequence, int]], events: list[StepEvent]) -> list[Plan]:
-        """Every row's candidates: trees one by one, chains in batched calls per proposer class. A row whose
-        proposal fails is failed alone (a batched call that raises is retried row by row to find it)."""
+        """Every row's candidates, in one call per proposer class. A row whose proposal fails is failed alone (a
+        call that raises is retried row by row to find it)."""
         plans: dict[int, Plan] = {}
-        chains: dict[type, list[int]] = {}
-        for i, (row, g) in enumerate(limits):
-            if row.proposer.proposes_trees:
-                try:
-                    plans[i] = propose_tree(row, g, self.target.vocab_size)
-                except Exception as e:  # noqa: BLE001
-                    self._fail_row(row, events, "drafting", e)
-            else:
-                chains.setdefault(type(row.proposer), []).append(i)
-        for cls, idx in chains.items():
+        groups: dict[type, list[int]] = {}
+        for i, (row, _) in enumerate(limits):
+            groups.setdefault(type(row.proposer), []).append(i)
+        for cls, idx in groups.items():
             try:
-                plans.update(self._propose_chains(cls, limits, idx))
+                plans.update(self._propose_rows(cls, limits, idx))
             except Exception:  # noqa: BLE001 - find the row(s) at fault; the others draft alone
                 for i in idx:
                     try:
-                        plans.update(self._propose_chains(cls, limits, [i]))
+                        plans.update(self._propose_rows(cls, limits, [i]))
                     except Exception as e:  # noqa: BLE001
                         self._fail_row(limits[i][0], events, "drafting", e)
         return [plans[i] for i in range(len(limits)) if i in plans]
 
-    def _propose_chains(self, cls: type, limits: list[tuple[Sequence, int]], idx: list[int]) -> dict[int, Plan]:
-        made, dt = propose_chains(cls, [limits[i][0] for i in idx], [limits[i][1] for i in idx])
-        self.batch_policy.drafted(dt, sum(1 for p in made if p.proposal.tokens.numel()))
+    def _propose_rows(self, cls: type, limits: list[tuple[Sequence, int]], idx: list[int]) -> dict[int, Plan]:
+        made, dt = propose(cls, [limits[i][0] for i in idx], [limits[i][1] for i in idx], self.target.vocab_size)
+        self.batch_policy.drafted(dt, sum(1 for p in made if p.tree.num_nodes > 1))
         return dict(zip(idx, made))
 
     def _decode_step(self, events: list[StepEvent]) -> None:
@@ -428,10 +424,7 @@ class Engine:
             row = plan.row
             n = row.tokens.numel()
             try:
-                if plan.tree is not None:
-                    step, g = verify_tree(plan, out, n, bool(self.taps))
-                else:
-                    step, g = verify_chain(plan, out, n, bool(self.taps))
+                step, g = verify(plan, out, n, bool(self.taps))
             except Exception as e:  # noqa: BLE001
                 self._fail_row(row, events, "verification", e)
                 continue

@@ -67,7 +67,7 @@ class Sequence:
         self.prompt_features: list[torch.Tensor] = []  # tapped features of the prefilled chunks
         self.last_logits: torch.Tensor | None = None  # the last prefilled position's logits
         self.gain = RunningMean()  # tokens a drafted step committed beyond one (the batch policy reads it)
-        cost = None if proposer.proposes_trees else width_cost
+        cost = width_cost if proposer.adapts_width else None
         pool = shared.pool(max(0, proposer.block_size - 1), sampling.greedy) if shared and cost else None
         self.width = WidthPolicy(proposer.block_size, cost, pool, shared.draft_seconds if shared else None)
         self.stats.widths = self.width.widths
@@ -118,8 +118,7 @@ class Sequence:
         """The last text delta and the result."""
         self.stats.new_tokens = len(self.new)
         self.stats.total_seconds = time.perf_counter() - self.t0 if self.t0 else 0.0
-        if self.proposer.proposes_trees:
-            self.stats.tree = self.proposer.describe()
+        self.stats.tree = self.proposer.describe()
         full = self._decode(self.new)
         if self.config.stop_strings:
             full = full[: stop_text_cut(full, self.config.stop_strings)]

@@ -15,7 +15,7 @@ Sampling trees (temperature > 0) are built in two stages so that rejection sampl
 the *shape* (how many children each node gets, which are lookup tokens) is decided from the draft's distributions
 and the lookup continuations only; then the sampled children of each node are drawn without replacement from the
 draft distribution q of their depth, the lookup (point-mass) siblings excluded. A child's draw distribution is thus
-"q with the tokens of its earlier siblings removed, renormalised", which is what `verify_tree.rejection_verify_tree`
+"q with the tokens of its earlier siblings removed, renormalised", which is what `verify.rejection_verify`
 assumes. Choosing which sampled candidates to keep after seeing them would bias the output; the shape never looks at
 them.
 """
@@ -38,6 +38,23 @@ class Tree:
     score: torch.Tensor  # [N] float; estimated probability that the node ends up on the accepted path (root: 1)
     q: torch.Tensor | None = None  # [D, V] float: sampled children at depth d were drawn from row d-1; None: greedy
     expected: float | None = None  # build_tree: 1 + the kept nodes' scores in best-first order (expected tokens)
+
+    @classmethod
+    def chain(cls, root: torch.Tensor | int, drafts: torch.Tensor, q: torch.Tensor | None = None) -> "Tree":
+        """A chain as a tree: the root (the last committed token), then drafts [G] int64, each the child of the one
+        before; q [G, V]: the distribution each draft was sampled from (None: proposed deterministically, a point
+        mass as prompt lookup's, or greedily)."""
+        drafts = drafts.long()
+        root = torch.as_tensor(root, dtype=torch.long, device=drafts.device).view(1)
+        tokens = torch.cat([root, drafts])
+        idx = torch.arange(tokens.numel(), device=drafts.device)
+        point_mass = torch.full_like(idx, q is None, dtype=torch.bool)
+        return cls(tokens, idx - 1, idx, point_mass, torch.ones(idx.numel(), device=drafts.device), q=q)
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """[N - 1] the candidate tokens below the root (a chain's drafts, in order)."""
+        return self.tokens[1:]
 
     @property
     def num_nodes(self) -> int:

@@ -1,91 +1,103 @@
-"""Verification of a drafted block against the target: pure tensor functions, no model state.
+"""Verification of a step's candidates against the target: pure functions, no model state.
 
-Vocabulary (shared with the engine and the benchmark):
-- a step verifies G drafted tokens d_1..d_G, using target logits at G+1 positions (the target saw the last committed
-  token followed by the G drafts, so row i predicts the token after d_i, row 0 the token after the committed one);
-- **accepted**: the longest prefix d_1..d_a that passes (greedy: d_i equals the target's argmax; sampling: d_i passes
-  the test u * q(d_i) < p(d_i));
-- **recovered**: when d_{a+1} is rejected, the replacement token drawn from norm(max(0, p - q)) at that position;
-- **bonus**: when all G drafts are accepted, one extra token drawn from the target's row G;
-- a step therefore always commits a + 1 tokens (1 <= a + 1 <= G + 1): accepted drafts + one recovered/bonus token.
+Every proposer's candidates are a tree (tree.py; a chain is the tree whose parents are i - 1). The target has seen
+every node in one forward (a chain causally, a tree with tree attention), so row i of its logits/probs is the
+target's distribution of the token that follows node i's path. Vocabulary, shared with the engine and the benchmark:
+- **accepted path**: root = node 0, then at each accepted node the child that passes (greedy: the child whose token is
+  the target's argmax; sampling: the first child that passes recursive rejection sampling among its siblings);
+- **recovered**: when every child of the last accepted node is rejected, the token drawn from what is left of the
+  target's distribution after the rejections (greedy: the argmax, which no child had);
+- **bonus**: when the last accepted node is a leaf, one token drawn from (greedy: the argmax of) its row;
+- a step commits a + 1 tokens: the a accepted nodes below the root and one recovered/bonus token.
 
-With these rules the committed sequence is distributed exactly as the target's own (greedy: identical tokens).
+On a chain this is speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft d_i, drawn from q_i, passes
+when u * q_i(d_i) < p_i(d_i), a rejected position draws from norm(max(0, p_i - q_i)), and a point-mass draft (prompt
+lookup's, or a greedy draft's) is the case q_i = 1 at d_i. Greedy, the committed tokens are the target's argmax along
+the path: the target's own greedy text.
+
+On a tree, sampling is multi-candidate speculative sampling by recursive rejection (SpecInfer, Miao et al. 2024;
+without replacement as in Jeon et al. 2024): at an accepted node with target distribution p, the children are tried
+in index order. Child c with token x, proposed from r (a point mass at x for a lookup token; for a sampled child,
+the draft's q at its depth with the tokens of its earlier siblings removed and renormalised, which is how tree.py
+draws it), is accepted with probability min(1, p(x) / r(x)); after a rejection p becomes norm(max(0, p - r)) for the
+next sibling. Each stage is one speculative-sampling step, which returns a draw from the p it started with whatever
+proposal r it used, so the accepted-or-recovered token is distributed exactly as the target's p, node after node.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .sampling import argmax
+from .tree import Tree
 
 
-def _check(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
-    assert draft_tokens.dim() == 2, f"draft_tokens must be [B, G], got {tuple(draft_tokens.shape)}"
-    b, g = draft_tokens.shape
-    assert target.dim() == 3 and target.shape[:2] == (b, g + 1), (
-        f"target logits/probs must be [B, G+1, V] = [{b}, {g + 1}, V], got {tuple(target.shape)}"
-    )
-    return b, g
+def _check(tree: Tree, rows) -> None:
+    if callable(rows):
+        return
+    n = tree.num_nodes
+    assert rows.dim() == 2 and rows.shape[0] == n, (
+        f"target logits/probs must be [N, V] with N = {n} tree nodes, got {tuple(rows.shape)}")
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification.
+def greedy_verify(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """tree with N nodes; target_logits [N, V] (row i after node i's path).
+    Returns (path, committed): path = accepted node indices from the root (len a + 1), committed = the a accepted
+    tokens followed by the bonus/recovered token (len a + 1); on a chain, path = [0, 1, .., a]."""
+    _check(tree, target_logits)
+    tokens = tree.tokens.tolist()
+    kids = tree.children()
+    path = [0]
+    while True:
+        # argmax of the visited rows only: with 64 nodes and a 49k vocabulary, all rows would cost milliseconds
+        want = int(argmax(target_logits[path[-1]]))
+        nxt = next((c for c in kids[path[-1]] if tokens[c] == want), None)
+        if nxt is None:
+            return path, [tokens[i] for i in path[1:]] + [want]
+        path.append(nxt)
 
-    draft_tokens: [B, G] int64; target_logits: [B, G+1, V].
-    Returns (tokens [B, G+1], num_accepted [B]); row b commits tokens[b, :num_accepted[b] + 1].
-    """
-    _check(draft_tokens, target_logits)
-    posterior = argmax(target_logits)  # [B, G+1]
-    matches = draft_tokens == posterior[:, :-1]
-    num_accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    # Accepted drafts equal the target's argmax, so the committed tokens are simply the argmax row.
-    return posterior, num_accepted
 
-
-def rejection_verify(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
-
-    draft_tokens: [B, G] int64, drawn from draft_probs.
-    draft_probs: [B, G, V] float, the distribution each draft was sampled from (q); None means each draft was
-        proposed deterministically (a point mass, as prompt lookup or an oracle does).
-    target_probs: [B, G+1, V] float, processed target distribution (p) at the G+1 verified positions.
-    Returns (tokens [B, G+1], num_accepted [B]); row b commits tokens[b, :num_accepted[b] + 1].
-    """
-    b, g = _check(draft_tokens, target_probs)
-    idx = draft_tokens.unsqueeze(-1)
-    p_draft = target_probs[:, :g].gather(-1, idx).squeeze(-1)  # [B, G]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        assert draft_probs.shape == (b, g, target_probs.shape[-1]), (
-            f"draft_probs must be [B, G, V], got {tuple(draft_probs.shape)}"
-        )
-        q_draft = draft_probs.gather(-1, idx).squeeze(-1)
-    u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
-    accept = u * q_draft < p_draft  # u < p/q without dividing by a possibly tiny q
-    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-
-    rows = torch.arange(b, device=draft_tokens.device)
-    p_next = target_probs[rows, num_accepted]  # [B, V]: row a is where the recovered/bonus token is drawn
-    rejected = num_accepted < g
-    if rejected.any():
-        a = num_accepted.clamp(max=g - 1)
-        if draft_probs is None:
-            residual = p_next.scatter(-1, draft_tokens[rows, a].unsqueeze(-1), 0.0)
-        else:
-            residual = (p_next - draft_probs[rows, a]).clamp_min(0.0)
-        mass = residual.sum(-1, keepdim=True)
-        # mass == 0 only when p == q at that row, where rejection has probability 0; keep p as a safe fallback.
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-        p_next = torch.where(rejected.unsqueeze(-1), residual, p_next)
-    last = torch.multinomial(p_next, 1, generator=generator).squeeze(-1)  # [B]
-
-    tokens = draft_tokens.new_zeros(b, g + 1)
-    tokens[:, :g] = draft_tokens
-    tokens[rows, num_accepted] = last
-    return tokens, num_accepted
+def rejection_verify(tree: Tree, target_probs: torch.Tensor | Callable[[int], torch.Tensor],
+                          generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """tree with N nodes (tree.q set for sampled children); target_probs [N, V] processed target distributions, or a
+    function node -> [V] that processes a row on demand (only the visited nodes' rows are needed, and top-p sorts a
+    whole vocabulary per row). Returns (path, committed) as greedy_verify does; committed is distributed exactly
+    as the target's."""
+    _check(tree, target_probs)
+    tokens, depth, pm = tree.tokens.tolist(), tree.depth.tolist(), tree.point_mass.tolist()
+    kids = tree.children()
+    path = [0]
+    while True:
+        node = path[-1]
+        p = (target_probs(node) if callable(target_probs) else target_probs[node]).float()
+        accepted = None
+        tried: list[int] = []
+        for c in kids[node]:
+            x = tokens[c]
+            if pm[c]:
+                r = None  # a point mass at x
+                r_x = 1.0
+            else:
+                assert tree.q is not None, "a sampled node needs the draft distributions tree.q"
+                r = tree.q[depth[c] - 1].float().clone()
+                if tried:
+                    r[tried] = 0.0
+                r = r / r.sum().clamp_min(1e-30)
+                r_x = float(r[x])
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * r_x < float(p[x]):  # u < p/r without dividing by a possibly tiny r
+                accepted = c
+                break
+            residual = p.clone() if r is None else (p - r).clamp_min(0.0)
+            if r is None:
+                residual[x] = 0.0
+            mass = residual.sum()
+            # mass == 0 only when p == r, where a rejection has probability 0; keep p as a safe fallback
+            p = residual / mass if float(mass) > 0 else p
+            tried.append(x)
+        if accepted is None:
+            last = int(torch.multinomial(p, 1, generator=generator))
+            return path, [tokens[i] for i in path[1:]] + [last]
+        path.append(accepted)

@@ -39,6 +39,7 @@ import torch
 
 from ..config import SamplingParams
 from ..decode.spec import DecodeSpec, build_engine
+from ..decode.tree import Tree
 from ..models.draft import DFlashDraftModel
 from ..models.loading import DEFAULT_TARGET, load_draft, load_target, resolve_draft
 from ..models.quant import QuantLinear, quant_kernels
@@ -305,15 +306,18 @@ class DraftStep:
         self.ctx = cfg.context
         self.proposer.start(self.tokens[:cfg.context], feats[:, :cfg.context])
         self.new = feats[:, cfg.context:]
-        self.accepted = cfg.accepted
+        # the step before as a verified chain: the positions whose features `new` holds
+        c = cfg.context
+        self.verified_tree = Tree.chain(self.tokens[c], self.tokens[c + 1:c + cfg.accepted])
+        self.verified_path = list(range(cfg.accepted))
 
     def __call__(self) -> float:
         self.target.forward(self.tokens[None, -self.block:], self.cache)  # the verify before (untimed)
         self.cache.crop(self.verified)
         t0 = time.perf_counter()
-        self.proposer.accept(self.new, self.accepted)
+        self.proposer.accept(self.verified_tree, self.verified_path, self.new)
         out = self.proposer.propose(self.tokens, self.block - 1, SamplingParams(), None)
         dt = time.perf_counter() - t0
-        assert out.tokens.numel() == self.block - 1
+        assert out.num_nodes == self.block
         self.proposer.ctx.crop(self.ctx)
         return dt

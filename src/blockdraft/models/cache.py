@@ -10,6 +10,16 @@ from __future__ import annotations
 import torch
 
 
+def keeps_prefix(start: int, keep: torch.Tensor, length: int) -> bool:
+    """Check a cache's `compact(start, keep)` (keep [M] int64 increasing, start + keep[-1] < length); True when keep
+    is 0, 1, .., M-1 (a chain's accepted path), which is a crop: nothing moves."""
+    m = keep.numel()
+    assert keep.dim() == 1 and m >= 1 and bool((keep[1:] > keep[:-1]).all()), "keep must be increasing [M]"
+    if start + int(keep[-1]) >= length:
+        raise ValueError(f"cannot keep position {start + int(keep[-1])} of a cache of length {length}")
+    return int(keep[-1]) == m - 1
+
+
 class KVCache:
     """Per-layer K/V buffers of fixed capacity with a shared fill length.
 
@@ -91,9 +101,9 @@ class KVCache:
         accepted path's K/V move next to the committed context, whatever the order of the tree's nodes.
         keep [M] int64, increasing (a parent precedes its child), start + keep[-1] < length."""
         m = keep.numel()
-        assert keep.dim() == 1 and m >= 1 and bool((keep[1:] > keep[:-1]).all()), "keep must be increasing [M]"
-        if start + int(keep[-1]) >= self.length:
-            raise ValueError(f"cannot keep position {start + int(keep[-1])} of a cache of length {self.length}")
+        if keeps_prefix(start, keep, self.length):
+            self.crop(start + m)
+            return
         src = keep + start
         # index_select copies first, so overlapping source and destination ranges are safe
         self.k[:, :, :, start:start + m] = self.k.index_select(3, src)

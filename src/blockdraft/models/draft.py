@@ -62,11 +62,13 @@ class DFlashDraftModel(nn.Module):
         """Start draft layer i as a copy of target decoder layer L-n+i (the target's last n layers), and the context
         fusion as a pass-through of the deepest tapped layer normed like the input of the first copied layer.
 
-        Only possible when the draft's layer shapes equal the target's (the default: the draft takes the target's
-        widths). Why: at this data scale a random draft spends most of its budget learning what a language-model
-        layer is; copied layers start as working attention/MLP maps, and the context keys/values of draft layer 0
-        start as exactly the keys/values the target's own layer computes at those positions. The Qwen3-style q/k
-        norms (which LLaMA layers lack) start at 1."""
+        The draft's layer shapes must equal the target's (the default: the draft takes the target's widths), except
+        for a narrower MLP: then each copied MLP keeps the target's channels of the largest |gate_j| * |up_j| *
+        |down_j| (row and column norms), the channels whose output can be largest. Why copy at all: at this data
+        scale a random draft spends most of its budget learning what a language-model layer is; copied layers start
+        as working attention/MLP maps, and the context keys/values of draft layer 0 start as exactly the keys/values
+        the target's own layer computes at those positions. The Qwen3-style q/k norms (which LLaMA layers lack)
+        start at 1."""
         cfg, tl = self.config, target.layers
         n = cfg.num_hidden_layers
         if n > len(tl):
@@ -75,12 +77,18 @@ class DFlashDraftModel(nn.Module):
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
         for layer, src in zip(self.layers, copied):
+            keep = _mlp_channels(src.mlp, cfg.intermediate_size)
             for name in names:
                 dst, srcm = layer.get_submodule(name), src.get_submodule(name)
-                if dst.weight.shape != srcm.weight.shape:
+                w = srcm.weight
+                if keep is not None and name in ("mlp.gate_proj", "mlp.up_proj"):
+                    w = w[keep]
+                elif keep is not None and name == "mlp.down_proj":
+                    w = w[:, keep]
+                if dst.weight.shape != w.shape:
                     raise ValueError(f"draft {name} {tuple(dst.weight.shape)} != target "
-                                     f"{tuple(srcm.weight.shape)}: layer init from the target needs equal shapes")
-                w = srcm.weight.float()
+                                     f"{tuple(w.shape)}: layer init from the target needs equal shapes")
+                w = w.float()
                 if isinstance(dst, RMSNorm) and type(src).__name__.startswith("Gemma"):
                     w = w + 1.0  # Gemma norms store (weight - 1)
                 dst.weight.copy_(w)
@@ -286,6 +294,18 @@ class DFlashDraftModel(nn.Module):
 
 
 # --------------------------------------------------------------------------- shared by the DFlash and EAGLE drafts
+def _mlp_channels(mlp: nn.Module, width: int) -> torch.Tensor | None:
+    """The `width` channels of a gated MLP (gate/up rows, down columns) of the largest product of their weights'
+    norms, in their original order; None when width is the MLP's own."""
+    d = mlp.down_proj.weight.float()
+    if width == d.shape[1]:
+        return None
+    if not 0 < width < d.shape[1]:
+        raise ValueError(f"a draft MLP of {width} channels cannot be copied from one of {d.shape[1]}")
+    score = mlp.gate_proj.weight.float().norm(dim=1) * mlp.up_proj.weight.float().norm(dim=1) * d.norm(dim=0)
+    return score.topk(width).indices.sort().values
+
+
 def init_draft_weights(model: nn.Module, std: float = 0.02) -> None:
     """Linear weights ~ N(0, std), norm weights 1."""
     for m in model.modules():

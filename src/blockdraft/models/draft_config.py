@@ -47,9 +47,11 @@ def target_layer_shape(target_config) -> dict:
 
 
 @dataclass
-class DFlashConfig:
+class DraftShape:
+    """What every draft (DFlash's, EAGLE's) states about the target it serves: a layer's widths as the target has
+    them (`target_layer_shape`), the target's depth and the layers whose outputs it reads."""
+
     hidden_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -57,11 +59,25 @@ class DFlashConfig:
     vocab_size: int
     num_target_layers: int
     target_layer_ids: list[int]
-    mask_token_id: int
-    block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+
+@dataclass(kw_only=True)
+class DFlashConfig(DraftShape):
+    num_hidden_layers: int
+    mask_token_id: int
+    block_size: int = 16
     hidden_act: str = "silu"
     # Reduced draft vocabulary: the draft proposes only among these many target tokens (its LM-head rows are the
     # target's rows at `d2t`-mapped ids, saved as the `d2t` tensor, vLLM's convention); None = the full vocabulary.
@@ -89,8 +105,7 @@ class DFlashConfig:
     copy_gate: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        super().__post_init__()
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
         if self.block_size < 2:
@@ -99,11 +114,6 @@ class DFlashConfig:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
         if self.draft_vocab_size == self.vocab_size:
             self.draft_vocab_size = None
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-
-    @property
-    def num_target_features(self) -> int:
-        return len(self.target_layer_ids)
 
     @property
     def num_fused_inputs(self) -> int:

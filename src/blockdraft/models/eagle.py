@@ -27,7 +27,7 @@ from torch import nn
 
 from .draft import (CONFIG_NAME, WEIGHTS_NAME, copy_target_final_norm, init_draft_weights, load_checked, read_draft_dir,
                     write_draft_dir)
-from .draft_config import default_target_layer_ids, target_layer_shape
+from .draft_config import DraftShape, default_target_layer_ids, target_layer_shape
 from .draft_layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 
 ARCHITECTURE = "Eagle3DraftModel"
@@ -42,35 +42,18 @@ def eagle_target_layer_ids(num_target_layers: int) -> list[int]:
     return default_target_layer_ids(num_target_layers, 3)
 
 
-@dataclass
-class EagleConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
+@dataclass(kw_only=True)
+class EagleConfig(DraftShape):
     max_draft_steps: int = 7  # default chain length gamma at inference
     # blockdraft's own metadata (training recipe, provenance), saved under "blockdraft" in config.json.
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__()
         if len(self.target_layer_ids) != 3:
             raise ValueError(f"an EAGLE-3 draft fuses 3 target layers, got {self.target_layer_ids}")
         if self.max_draft_steps < 1:
             raise ValueError("max_draft_steps must be >= 1")
-
-    @property
-    def num_target_features(self) -> int:
-        return len(self.target_layer_ids)
 
     @classmethod
     def from_target(cls, target_config, *, target_layer_ids: list[int] | None = None,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .cache import KVCache, keeps_prefix
 from .hf_config import text_config
 from .lean import LeanDecoder, Linear, packed_linear_available
 from .quant import QuantLinear, WeightPlan
@@ -60,11 +60,12 @@ class TargetCache:
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep positions start + keep[j] at start + j and crop to start + len(keep) (see KVCache.compact): the
-        accepted path of a candidate tree. keep [M] int64, increasing. Full-attention layers only."""
+        accepted path of a candidate tree. keep [M] int64, increasing. Full-attention layers only, unless keep is a
+        prefix (0, 1, .., M-1), which is a crop."""
         m = keep.numel()
-        assert keep.dim() == 1 and m >= 1 and bool((keep[1:] > keep[:-1]).all()), "keep must be increasing [M]"
-        if start + int(keep[-1]) >= self.length:
-            raise ValueError(f"cannot keep position {start + int(keep[-1])} of a cache of length {self.length}")
+        if keeps_prefix(start, keep, self.length):
+            self.crop(start + m)
+            return
         layers = getattr(self.hf, "layers", None)
         if layers is None or any(getattr(layer, "is_sliding", False) for layer in layers):
             raise ValueError("tree verification needs a cache of full-attention layers (no sliding windows)")

@@ -36,6 +36,9 @@ class TrainConfig:
     #                                     `num_target_features` spread over the target's depth)
     num_target_features: int = 2  # how many layers `layer_ids` spreads when unset
     block_size: int = 16  # the draft's block size (decoding may use any size up to it)
+    intermediate_size: int = 0  # the draft layers' MLP width (0 = the target's); narrower, a layer copied from the
+    #                              target keeps its most important MLP channels (`DFlashDraftModel.
+    #                              init_layers_from_target`): a draft's bytes per step on a large target
     mask_token_id: int | None = None  # default: chosen from the target's tokenizer
     draft_vocab_size: int | None = None  # propose among the N most frequent response labels only (0 = the whole
     #                                     vocabulary; default 8192 for DFlash, the whole one for EAGLE)
@@ -138,6 +141,8 @@ class TrainConfig:
             raise ValueError("kd_weight must be in [0, 1]")
         if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):
             raise ValueError(f"anchor_bias must be a finite number >= 0, got {self.anchor_bias}")
+        if self.intermediate_size < 0:
+            raise ValueError(f"intermediate_size must be >= 0 (0: the target's), got {self.intermediate_size}")
         if self.seqs_per_step < 1 or self.steps < 1:
             raise ValueError("seqs_per_step and steps must be >= 1")
         if self.method not in ("dflash", "eagle"):

@@ -108,7 +108,8 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
                                     mask_token_id=mask_id, target_layer_ids=list(cfg.layer_ids),
                                     draft_vocab_size=cfg.draft_vocab_size or None,
                                     next_token_feature=cfg.next_token_feature,
-                                    next_token_scale=cfg.next_token_scale, copy_gate=cfg.copy_gate)
+                                    next_token_scale=cfg.next_token_scale, copy_gate=cfg.copy_gate,
+                                    **({"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}))
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
     if cfg.init in ("target", "target-identity"):
         draft.init_layers_from_target(target)

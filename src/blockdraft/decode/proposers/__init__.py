@@ -1,14 +1,23 @@
-"""Ways of drafting, behind one interface the decode engine drives (`decode/engine.py`).
+"""Ways of drafting, behind the one interface the decode engine drives (`decode/engine.py`).
+
+Every proposer proposes a candidate tree (`decode/tree.py`): node 0 is the last committed token, every other node a
+candidate token whose parent precedes it. A chain (one candidate per position, what the DFlash draft, EAGLE and
+prompt lookup propose) is the tree whose parents are i - 1 (`Tree.chain`); the engine feeds it causally and the same
+verifier walks it (`decode/verify.py`).
 
 Life cycle for one sequence (n = number of committed tokens, prompt included):
 1. `start(prompt_ids, features)` after the target's prefill; features [1, n0, K*H] of the prompt positions
    (None when the proposer does not ask for them).
-2. `propose(tokens, num_draft, sampling, generator)` -> Proposal with G <= num_draft tokens for positions n .. n+G-1.
-   `tokens` [n] are all committed tokens; the last one is not yet in the target's cache.
-3. `accept(features, num_committed)` after verification; features [1, a+1, K*H] of the verified positions
-   n-1 .. n-1+a (the last committed token of the previous step and the accepted drafts).
-A `TreeProposerBase` proposes a candidate tree instead (`propose_tree` / `accept_tree`, see tree.py). A proposer
-that `observes_logits` is also shown the logits of the positions it kept (`FeatureRecorder`, record.py).
+2. `propose(tokens, num_draft, sampling, generator)` -> a Tree of depth <= num_draft for positions n .. n+depth-1.
+   `tokens` [n] are all committed tokens; the last one (the root) is not yet in the target's cache.
+3. `accept(tree, path, features)` after verification: path = the accepted nodes from the root (len a + 1); features
+   [1, a+1, K*H] of them (positions n-1 .. n-1+a: the last committed token of the previous step and the accepted
+   candidates), None when the proposer reads no target layers. A proposer that `observes_logits` is also shown the
+   logits of those positions (`FeatureRecorder`, record.py).
+
+How many tokens a step drafts is the drafting policy's call (`decode/policy.py`): a proposer whose candidates are a
+chain of up to num_draft tokens lets it choose the width per step (`adapts_width`); a tree proposer sizes its own
+tree within the depth it is given (its node budget, `proposers/tree.py`).
 
 One proposer object holds one sequence's state; `fork()` gives another sequence its own state around the same
 weights (a stateless proposer returns itself). `propose_rows` drafts for several sequences at once: the default asks
@@ -17,27 +26,20 @@ each in turn, a proposer with a batched forward (the DFlash draft) overrides it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...config import SamplingParams
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [G] int64
-    probs: torch.Tensor | None  # [G, V] the distribution each token was sampled from; None = deterministic
+from ..tree import Tree
 
 
 class Proposer:
     """What every way of drafting declares. Subclasses set `name`, `layer_ids` (target layers whose outputs they
-    read; empty: none) and `block_size` (at most block_size - 1 drafts per step), and implement `propose`."""
+    read; empty: none) and `block_size` (trees of depth at most block_size - 1), and implement `propose`."""
 
     name: str = "proposer"
     layer_ids: tuple[int, ...] = ()
     block_size: int = 1
-    proposes_trees = False  # True: `propose_tree` / `accept_tree` instead of `propose` / `accept`
+    adapts_width = True  # the width policy chooses each step's depth (False: the proposer sizes its own tree)
     observes_logits = False  # True: the engine also hands it the logits of the positions it kept (`observe`)
 
     @property
@@ -55,10 +57,10 @@ class Proposer:
         pass
 
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None) -> Tree:
         raise NotImplementedError
 
-    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
+    def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
         pass
 
     def observe(self, logits: torch.Tensor) -> None:
@@ -78,30 +80,10 @@ class Proposer:
 
     @classmethod
     def propose_rows(cls, proposers: list["Proposer"], tokens: list[torch.Tensor], num_drafts: list[int],
-                     samplings: list[SamplingParams], generators: list) -> list[Proposal]:
-        """Proposals for several sequences, row i by proposers[i] (all of this class): one by one by default."""
+                     samplings: list[SamplingParams], generators: list) -> list[Tree]:
+        """Candidates for several sequences, row i by proposers[i] (all of this class): one by one by default."""
         return [p.propose(t, g, s, gen) for p, t, g, s, gen in zip(proposers, tokens, num_drafts, samplings,
                                                                       generators)]
-
-
-class TreeProposerBase(Proposer):
-    """A proposer of candidate trees (tree.py): the target verifies every node in one forward and the sequence
-    keeps the accepted path. `max_nodes` bounds a tree's size, the root included."""
-
-    proposes_trees = True
-    max_nodes: int = 1
-
-    @property
-    def max_width(self) -> int:
-        return max(1, self.max_nodes)
-
-    def propose_tree(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
-                     generator: torch.Generator | None):
-        """tokens [n] committed (the last one becomes the root) -> a `tree.Tree` of depth <= max_depth."""
-        raise NotImplementedError
-
-    def accept_tree(self, tree, path: list[int], features: torch.Tensor | None) -> None:
-        """After verification: path = the accepted nodes from the root; features [1, len(path), K*H] of them."""
 
 
 class NoDraft(Proposer):
@@ -113,8 +95,5 @@ class NoDraft(Proposer):
     def start(self, prompt_ids, features) -> None:
         pass
 
-    def propose(self, tokens, num_draft, sampling, generator) -> Proposal:
-        return Proposal(tokens.new_zeros(0), None)
-
-    def accept(self, features, num_committed) -> None:
-        pass
+    def propose(self, tokens, num_draft, sampling, generator) -> Tree:
+        return Tree.chain(tokens[-1], tokens.new_zeros(0))

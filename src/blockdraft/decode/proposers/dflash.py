@@ -15,7 +15,8 @@ from ...models.draft_lean import LeanDraft
 from ...models.lean import Linear, packed_linear_available
 from ..sampling import logits_to_probs, sample
 from ...models.target import TargetModel
-from . import Proposal, Proposer
+from . import Proposer
+from ..tree import Tree
 from ...models.ngram import lookup_continuation
 
 
@@ -104,8 +105,8 @@ class DFlashProposer(Proposer):
             self._add(features)
 
     @torch.no_grad()
-    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
-        assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
+    def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
+        assert features is not None and features.shape[1] == len(path), "features of the verified positions"
         self._add(features)
 
     def _scores(self, tokens: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, Callable, Callable]:
@@ -194,10 +195,10 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None) -> Tree:
         block = self._open(tokens, num_draft)
         if block is None:
-            return Proposal(tokens.new_zeros(0), None)
+            return Tree.chain(tokens[-1], tokens.new_zeros(0))
         g = block.shape[0] - 1
         out = torch.zeros(g, dtype=torch.long, device=tokens.device)
         q = None if sampling.greedy else torch.zeros(g, self.target.vocab_size, device=tokens.device)
@@ -236,7 +237,7 @@ class DFlashProposer(Proposer):
                 q[chosen] = probs[chosen]
             fixed[chosen] = True
             block[1:][chosen] = cand[chosen]
-        return Proposal(out, q)
+        return Tree.chain(tokens[-1], out, q)
 
     def _open(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
         """Start a proposal of g = min(num_draft, block_size - 1) tokens after tokens [n]: bring the draft's context
@@ -265,12 +266,12 @@ class DFlashProposer(Proposer):
     @classmethod
     @torch.no_grad()
     def propose_rows(cls, proposers: list["DFlashProposer"], tokens: list[torch.Tensor], num_drafts: list[int],
-                     samplings: list[SamplingParams], generators: list) -> list[Proposal]:
+                     samplings: list[SamplingParams], generators: list) -> list[Tree]:
         """One draft forward for every row whose proposer shares a `LeanDraft` and drafts in one pass (the
         weights are read once for all the blocks; each block attends to its own row's context); rows that denoise
         in several passes, or draft through the module, propose one by one. Each row gets what `propose` gives it
         alone: the same operations on its block (the native stack's rows are computed independently)."""
-        out: list[Proposal | None] = [None] * len(proposers)
+        out: list[Tree | None] = [None] * len(proposers)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(proposers):
             if p.lean is None or p.denoise_steps > 1:
@@ -281,7 +282,7 @@ class DFlashProposer(Proposer):
             blocks = {i: proposers[i]._open(tokens[i], num_drafts[i]) for i in rows}
             for i in rows:
                 if blocks[i] is None:
-                    out[i] = Proposal(tokens[i].new_zeros(0), None)
+                    out[i] = Tree.chain(tokens[i][-1], tokens[i].new_zeros(0))
             rows = [i for i in rows if blocks[i] is not None]
             if not rows:
                 continue
@@ -303,8 +304,8 @@ class DFlashProposer(Proposer):
                 scores, to_ids, to_vocab = p._score(tokens[i], hidden[o:o + g], logits[o:o + g])
                 o += g
                 if smp.greedy:
-                    out[i] = Proposal(to_ids(scores.argmax(-1)), None)
+                    out[i] = Tree.chain(tokens[i][-1], to_ids(scores.argmax(-1)))
                 else:
                     probs = logits_to_probs(scores, smp)
-                    out[i] = Proposal(to_ids(sample(probs, generators[i])), to_vocab(probs))
+                    out[i] = Tree.chain(tokens[i][-1], to_ids(sample(probs, generators[i])), to_vocab(probs))
         return out

@@ -19,7 +19,8 @@ from ...config import SamplingParams
 from ...models.eagle import EagleDraftModel
 from ..sampling import logits_to_probs, sample
 from ...models.target import TargetModel
-from . import Proposal, Proposer
+from . import Proposer
+from ..tree import Tree
 
 
 class EagleProposer(Proposer):
@@ -49,8 +50,8 @@ class EagleProposer(Proposer):
         self.pending = [features]
 
     @torch.no_grad()
-    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
-        assert features is not None and features.shape[1] == num_committed, "features of the verified positions"
+    def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
+        assert features is not None and features.shape[1] == len(path), "features of the verified positions"
         self.pending.append(features)
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
@@ -68,10 +69,10 @@ class EagleProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None) -> Tree:
         g = min(num_draft, self.gamma)
         if g <= 0:
-            return Proposal(tokens.new_zeros(0), None)
+            return Tree.chain(tokens[-1], tokens.new_zeros(0))
         n = tokens.shape[0]
         feats = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
         c = self.cache.length
@@ -91,4 +92,4 @@ class EagleProposer(Proposer):
             if j + 1 < g:  # step j+2 reads this step's hidden state and its token, at that token's position
                 out = self._forward(drafted[j:j + 1], out, n + j)
         self.cache.crop(n - 1)
-        return Proposal(drafted, q)
+        return Tree.chain(tokens[-1], drafted, q)

@@ -2,8 +2,8 @@
 
 No model is involved. At every step the last n committed tokens (n = max_ngram down to min_ngram, longest first)
 are searched for in all earlier committed tokens (prompt and answer); at the most recent earlier match, the tokens
-that followed it are proposed. Drafts are deterministic (point masses), so `probs` is None: greedy verification
-compares tokens, and at temperature > 0 the rejection verifier treats a None distribution as a point mass.
+that followed it are proposed. Drafts are deterministic (point masses, a `Tree.chain` without q): greedy verification
+compares tokens, and at temperature > 0 the rejection verifier treats them as point masses.
 The lookup itself is `ngram.find_continuation`.
 """
 
@@ -13,7 +13,8 @@ import torch
 
 from ...config import SamplingParams
 from ...models.ngram import find_continuation
-from . import Proposal, Proposer
+from . import Proposer
+from ..tree import Tree
 
 
 class PromptLookupProposer(Proposer):
@@ -37,9 +38,6 @@ class PromptLookupProposer(Proposer):
         pass
 
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None) -> Tree:
         k = num_draft if self.num_pred is None else min(num_draft, self.num_pred)
-        return Proposal(find_continuation(tokens, k, self.max_ngram, self.min_ngram), None)
-
-    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
-        pass
+        return Tree.chain(tokens[-1], find_continuation(tokens, k, self.max_ngram, self.min_ngram))

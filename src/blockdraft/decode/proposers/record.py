@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ...config import SamplingParams
-from . import Proposal, Proposer
+from . import Proposer
+from ..tree import Tree
 
 
 class FeatureRecorder(Proposer):
@@ -47,12 +48,12 @@ class FeatureRecorder(Proposer):
         self.first_logit_position = int(prompt_ids.numel()) - 1
 
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
-        return Proposal(tokens.new_zeros(0), None)
+                generator: torch.Generator | None) -> Tree:
+        return Tree.chain(tokens[-1], tokens.new_zeros(0))
 
-    def accept(self, features: torch.Tensor | None, num_committed: int) -> None:
+    def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
         if features is not None:
-            self.features.append(features[0, :num_committed])
+            self.features.append(features[0, :len(path)])
 
     def observe(self, logits: torch.Tensor) -> None:
         top = logits.float().topk(min(self.topk, logits.shape[-1]), dim=-1)

@@ -1,8 +1,8 @@
 """Tree proposer: one DFlash forward and/or prompt lookup -> a candidate tree that the target verifies in one forward.
 
 Methods: `dflash-tree` (the draft's best branches) and `dflash+lookup` (the same tree plus prompt-lookup
-continuations as extra branches, merged where the draft proposes the same tokens). The engine drives it through
-`propose_tree` / `accept_tree` instead of `propose` / `accept` (see engine.py).
+continuations as extra branches, merged where the draft proposes the same tokens). It sizes its own tree
+(`adapts_width` False): the engine gives it the depth left and the budget below decides the nodes.
 
 Node budget: fixed (`budget`), or chosen every step from a measured verify-cost curve (`calibrate.VerifyCost`): with
 the candidate nodes in best-first order (scores s_1 >= s_2 >= ...; a node's score estimates the probability that it
@@ -48,7 +48,7 @@ import torch
 from ...config import SamplingParams
 from ..tree import Tree, build_tree
 from ..policy import EXPLORE_ROW, Explorer, RunningMean, TreeStepCosts, lookup_draft_pays
-from . import TreeProposerBase
+from . import Proposer
 from .dflash import DFlashProposer
 from ...models.ngram import find_continuations
 
@@ -57,7 +57,9 @@ PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # lookup acceptance prior: rate 1/2, worth 
 SCALE_PRIOR = 2.0  # the draft-confidence factor starts at 1, worth this many predicted acceptances
 
 
-class TreeProposer(TreeProposerBase):
+class TreeProposer(Proposer):
+    adapts_width = False  # the node budget below sizes each tree
+
     def __init__(self, draft: DFlashProposer | None, *, lookup: bool = False, budget: int | None = None,
                  top_k: int = 8, verify_cost: Callable[[int], float] | None = None, max_budget: int = MAX_BUDGET,
                  lookup_depth: int = 15, lookup_branches: int = 2, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -130,8 +132,8 @@ class TreeProposer(TreeProposerBase):
         return [self.lookup_rate(ngram, d == 0) for d in range(length)]
 
     @torch.no_grad()
-    def propose_tree(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> Tree:
+    def propose(self, tokens: torch.Tensor, max_depth: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Tree:
         """tokens [n] committed (the last one becomes the root) -> a tree of depth <= max_depth."""
         d_lookup = min(max_depth, self.lookup_depth)
         found = (find_continuations(tokens, d_lookup, self.max_ngram, self.min_ngram, self.lookup_branches)
@@ -212,10 +214,14 @@ class TreeProposer(TreeProposerBase):
         text copies) would otherwise buy wider trees than its tokens pay for."""
         return [(h + SCALE_PRIOR) / (p + SCALE_PRIOR) for h, p in zip(self._d_hits, self._d_pred)]
 
-    def accept_tree(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
+    @property
+    def max_width(self) -> int:
+        return self.max_nodes
+
+    def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
         """After verification: path = the accepted nodes from the root; features [1, len(path), K*H] of them."""
         if self.draft is not None:
-            self.draft.accept(features, len(path))
+            self.draft.accept(tree, path, features)
         kids, tokens, on_path = tree.children(), tree.tokens.tolist(), set(path)
         if self._q is not None and self._greedy:  # the draft's own nodes under an accepted parent: trials
             q, pm, depth = self._q, tree.point_mass.tolist(), tree.depth.tolist()

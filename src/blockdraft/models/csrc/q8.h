@@ -144,11 +144,26 @@ inline void q8_scale_block(const __m256i* lo, const __m256i* hi, const Sc& sc, i
   }
 }
 
+// acc[r] += row r's integer dot with the half of a block's codes pb (512 bytes, 8 words of 64) that starts at word
+// J0 (0: the low half, 4: the high one). Each half is its own unrolled loop: a test on j inside one loop of 8 kept
+// it rolled and spilled accumulators.
+template <int R, int J0>
+__attribute__((always_inline)) inline void q8_half(const int8_t* pb, const int8_t* xr, __m256i* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+  for (int j = J0; j < J0 + 4; ++j) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + j * 64));
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+          _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
+  }
+}
+
 // R rows x one panel, q8: per block and half, s dx dot(c, xq). AVX2 multiplies unsigned by signed bytes, so the
 // codes enter as |c| and their signs move onto x; each pair sum <= 2 * 128 * 127 fits int16 before widening.
 template <int R, typename Sc>
 inline void q8_panel(const int8_t* pc, const Sc& sc, int64_t g, const QuantRows& x, int64_t row, __m256* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < g; ++b) {
@@ -156,23 +171,8 @@ inline void q8_panel(const int8_t* pc, const Sc& sc, int64_t g, const QuantRows&
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
     q8_prefetch(pc, sc, b);
     const int8_t* xr = x.codes(row, b);
-    // the halves in two loops, each unrolled: a test on j inside one loop kept it rolled and spilled accumulators
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 512 + j * 64));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < R; ++r)
-        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(
-            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
-    }
-#pragma GCC unroll 4
-    for (int j = 4; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + b * 512 + j * 64));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < R; ++r)
-        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(
-            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xr + r * kBlock + 4 * j), w)), ones));
-    }
+    q8_half<R, 0>(pc + b * 512, xr, lo);
+    q8_half<R, 4>(pc + b * 512, xr, hi);
     q8_scale_block<R>(lo, hi, sc, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];

@@ -175,6 +175,23 @@ BLOCKDRAFT_VNNI inline void q8_scale_tile(const __m512i* lo, const __m512i* hi, 
   }
 }
 
+// acc[r] += row r's integer dot with the half of a block's codes pb that starts at word J0, as q8_half does on
+// AVX2 (one unrolled loop per half).
+template <int R, int J0>
+BLOCKDRAFT_VNNI __attribute__((always_inline)) inline void q8_half_vnni(const int8_t* pb, const int8_t* xr,
+                                                                        __m512i* acc) {
+#pragma GCC unroll 4
+  for (int j = J0; j < J0 + 4; ++j) {
+    const __m512i w = load512(pb + j * 64);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = bcast4_512(xr + r * kBlock + 4 * j);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+    }
+  }
+}
+
 // R rows x one tile, q8: per block and half, s dx dot(c, xq), as on AVX2 with |c| as unsigned bytes and the signs of
 // c moved onto x (negated where c < 0; where c == 0 the product is 0 either way).
 template <int R, typename Sc>
@@ -189,27 +206,8 @@ BLOCKDRAFT_VNNI inline void q8_tile_vnni(const int8_t* pc, const Sc& sc, int64_t
       _mm_prefetch(reinterpret_cast<const char*>(pc + b * 512 + kPrefetchTile + 64 * i), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sc.ahead(b, kPrefetchTile)), _MM_HINT_T0);
     const int8_t* xr = x.codes(row, b);
-    // the halves in two unrolled loops (see q8_panel)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i w = load512(pc + b * 512 + j * 64);
-      const __m512i aw = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = bcast4_512(xr + r * kBlock + 4 * j);
-        lo[r] = _mm512_dpbusd_epi32(lo[r], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
-      }
-    }
-#pragma GCC unroll 4
-    for (int j = 4; j < 8; ++j) {
-      const __m512i w = load512(pc + b * 512 + j * 64);
-      const __m512i aw = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = bcast4_512(xr + r * kBlock + 4 * j);
-        hi[r] = _mm512_dpbusd_epi32(hi[r], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
-      }
-    }
+    q8_half_vnni<R, 0>(pc + b * 512, xr, lo);
+    q8_half_vnni<R, 4>(pc + b * 512, xr, hi);
     q8_scale_tile<R>(lo, hi, sc, b, x, row, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
