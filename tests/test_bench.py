@@ -254,3 +254,23 @@ def test_speedups_against_the_faster_llamacpp_plain_method():
     no_llama = [r for r in records if not r["method"].startswith("llamacpp")]
     rows = summarize_records(no_llama, ["ar", "dflash"], {}, (0.0,))["0"]["rows"]
     assert all("vs_llamacpp" not in r for r in rows)
+
+
+def test_lookup_branches_deeper_than_the_draft_block_are_summarised(tmp_path):
+    """`dflash+lookup` verifies prompt-lookup branches deeper than the draft's block: the run records, as the
+    method's block, the deepest a step can verify, and every accept length fits the histogram it is summarised in
+    (a repetitive prompt, so that lookup branches are long and accepted)."""
+    pfile = tmp_path / "rep.jsonl"
+    pfile.write_text(json.dumps({"id": "rep", "prompt": "abc " * 40}) + "\n")
+    tok = StubTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    draft = tiny_draft(target, block_size=3)
+    cfg = BenchConfig(prompts=str(pfile), n=None, max_new_tokens=40, temperatures=(0.0,), dtype="fp32",
+                      methods=("ar", "dflash+lookup"), out=str(tmp_path / "out"), progress=False, command="pytest",
+                      threads=1)
+    res = run_bench(cfg, target=target, tokenizer=tok, draft=draft)
+    block = res["block_sizes"]["dflash+lookup"]
+    lengths = [a for r in res["records"] if r["method"] == "dflash+lookup" for a in r["accept_lengths"]]
+    assert block > 3 and max(lengths) <= block
+    row = {r["method"]: r for r in res["summary"]["0"]["rows"]}["dflash+lookup"]
+    assert len(row["accept_hist"]) == block and sum(row["accept_hist"]) == len(lengths)

@@ -403,3 +403,20 @@ def test_given_top_entries_build_the_tree_a_topk_over_q_builds(sample):
     got = build_tree(ROOT, q, generator=torch.Generator().manual_seed(2), top=(vals, idx), **kw)
     for name in ("tokens", "parents", "depth", "point_mass", "score"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_a_chain_built_as_one_answers_like_any_tree():
+    """`Tree.chain` skips the per-step structure checks by construction: its answers (depth, chain-ness, children,
+    the checker's verdict on its tokens) equal those of the same tree built field by field."""
+    gen = torch.Generator().manual_seed(5)
+    for g in (0, 1, 4):
+        drafts = torch.randint(0, 50, (g,), generator=gen)
+        fast = Tree.chain(7, drafts)
+        idx = torch.arange(g + 1)
+        slow = Tree(torch.cat([torch.tensor([7]), drafts]), idx - 1, idx, torch.ones(g + 1, dtype=torch.bool),
+                    torch.ones(g + 1))
+        assert fast.built_as_chain and not slow.built_as_chain
+        assert (fast.max_depth, fast.is_chain, fast.children()) == (slow.max_depth, slow.is_chain, slow.children())
+        check_tree(fast, 50)
+        with pytest.raises(MalformedTree):
+            check_tree(Tree.chain(7, torch.tensor([50])), 50)  # outside the vocabulary: still checked

@@ -113,7 +113,10 @@ def verify(plan: Plan, out, n: int, tapped: bool) -> tuple[torch.Tensor, int]:
         path, committed = rejection_verify(tree, lambda i: logits_to_probs(rows[i], row.sampling), row.generator)
     keep = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
     row.cache.compact(n - 1, keep)
-    row.proposer.accept(tree, path, out.features[:, keep] if tapped else None)
+    feats = None
+    if tapped:  # a path that is a prefix of the nodes (every chain's) is a slice: no copy
+        feats = out.features[:, :len(path)] if path[-1] == len(path) - 1 else out.features[:, keep]
+    row.proposer.accept(tree, path, feats)
     if row.proposer.observes_logits:
         row.proposer.observe(rows[keep])
     row.stats.tree_nodes.append(tree.num_nodes - 1)

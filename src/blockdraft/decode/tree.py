@@ -23,7 +23,7 @@ them.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -38,18 +38,21 @@ class Tree:
     score: torch.Tensor  # [N] float; estimated probability that the node ends up on the accepted path (root: 1)
     q: torch.Tensor | None = None  # [D, V] float: sampled children at depth d were drawn from row d-1; None: greedy
     expected: float | None = None  # build_tree: 1 + the kept nodes' scores in best-first order (expected tokens)
+    # set by `chain`: parents i - 1 and depths i by construction, so the per-step checks need no tensor ops
+    # (a plain step's tree is a root alone, and a few tensor ops are a few per cent of a small target's step)
+    built_as_chain: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def chain(cls, root: torch.Tensor | int, drafts: torch.Tensor, q: torch.Tensor | None = None) -> "Tree":
         """A chain as a tree: the root (the last committed token), then drafts [G] int64, each the child of the one
         before; q [G, V]: the distribution each draft was sampled from (None: proposed deterministically, a point
         mass as prompt lookup's, or greedily)."""
-        drafts = drafts.long()
         root = torch.as_tensor(root, dtype=torch.long, device=drafts.device).view(1)
-        tokens = torch.cat([root, drafts])
-        idx = torch.arange(tokens.numel(), device=drafts.device)
-        point_mass = torch.full_like(idx, q is None, dtype=torch.bool)
-        return cls(tokens, idx - 1, idx, point_mass, torch.ones(idx.numel(), device=drafts.device), q=q)
+        tokens = torch.cat([root, drafts.long()])  # a copy: root may be a view of the row's committed tokens
+        n, dev = tokens.numel(), drafts.device
+        idx = torch.arange(n, device=dev)
+        return cls(tokens, idx - 1, idx, torch.full((n,), q is None, dtype=torch.bool, device=dev),
+                   torch.ones(n, device=dev), q=q, built_as_chain=True)
 
     @property
     def candidates(self) -> torch.Tensor:
@@ -62,16 +65,18 @@ class Tree:
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return self.num_nodes - 1 if self.built_as_chain else int(self.depth.max())
 
     @property
     def is_chain(self) -> bool:
         """Every node's parent is the node before it: the tree is one causal chain (no branching)."""
         n = self.num_nodes
-        return bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
+        return self.built_as_chain or bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
 
     def children(self) -> list[list[int]]:
         """children()[i] = the children of node i, in index order (the order the verifier tries them)."""
+        if self.built_as_chain:
+            return [[i + 1] for i in range(self.num_nodes - 1)] + [[]]
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
             kids[p].append(i)
@@ -105,6 +110,8 @@ def check_tree(tree: Tree, vocab_size: int) -> None:
         raise MalformedTree("tokens, parents and depth must be int64")
     if int(t.min()) < 0 or int(t.max()) >= vocab_size:
         raise MalformedTree(f"tree has token ids outside the vocabulary (0..{vocab_size - 1})")
+    if tree.built_as_chain and tree.q is None:
+        return  # parents, depths and siblings are right by construction (`Tree.chain`)
     parents, depth, tokens = tree.parents.tolist(), tree.depth.tolist(), t.tolist()
     if parents[0] != -1 or depth[0] != 0:
         raise MalformedTree("node 0 must be the root: parent -1, depth 0")

@@ -165,7 +165,9 @@ def add_engines(cfg, built: Built, draft: DFlashDraftModel | None, notes: list[s
         engine = build_engine(on, {"eagle": eagle, "dflash": draft}.get(entry.draft), spec, verify_cost=cost,
                               tokenizer=built.tokenizer)
         built.engines[m] = engine
-        built.block_sizes[m] = engine.spec.block_size
+        # the deepest a step can verify, which bounds its accept lengths: the proposer's block (a tree with
+        # prompt-lookup branches reaches deeper than the draft's block that the spec names)
+        built.block_sizes[m] = engine.proposer.block_size
 
 
 def _add_llamacpp(cfg, built: Built, notes: list[str]) -> None:
