@@ -339,3 +339,35 @@ def test_regenerate_records_teacher_data_in_the_same_pass(tiny, tmp_path):
     assert rep.generated == 0 and rep.recorded == 0 and len(TeacherCache(tmp_path / "teacher")) == 6
     with pytest.raises(ValueError, match="written with"):  # another teacher into the same cache is refused
         D.regenerate(model, tok, PROMPTS, tmp_path / "shards", record=D.RecordSpec(tmp_path / "teacher", (1,)), **kw)
+
+
+def test_teacher_cache_on_the_decode_path_equals_the_recorded_teacher_data(tiny, tmp_path):
+    """Answers kept without their teacher data regain it: `build_teacher_cache(decode_path=True)` prefills each
+    record through the decode path on the same quantized weights and gives, bit for bit, the features and top-k the
+    answers' own pass recorded (on the positions that pass computes); its manifest says so, and a float cache in
+    the same directory is refused."""
+    from blockdraft.models.quant import WeightPlan
+    from blockdraft.models.target import TargetModel
+    from blockdraft.train.teacher import TeacherCache, build_teacher_cache
+
+    model, tok = tiny
+    layers, k, max_len = (0, 1), 4, 48
+    rec = D.RecordSpec(tmp_path / "recorded", layers, topk=k, max_len=max_len)
+    D.regenerate(model, tok, PROMPTS, tmp_path / "shards", record=rec, max_new_tokens=6, batch_size=3,
+                 shard_size=4, progress=False, weights=WeightPlan("int8"))
+    records = list(R.read_shards(tmp_path / "shards"))
+    target = TargetModel(model, tok, weights=WeightPlan("int8"))
+    build_teacher_cache(target, records, tmp_path / "prefilled", layers, topk=k, max_len=max_len, decode_path=True)
+    recorded = {s.id: s for s in TeacherCache(tmp_path / "recorded").sequences}
+    prefilled = TeacherCache(tmp_path / "prefilled")
+    assert prefilled.manifest["source"] == "decode" and len(prefilled) == len(records)
+    for seq in prefilled.sequences:
+        r, old = next(x for x in records if x["id"] == seq.id), recorded[seq.id]
+        last = min(len(r["input_ids"]), max_len, len(r["input_ids"]) - 1)  # the recorded pass never feeds the end
+        p = r["loss_mask"].index(1)
+        assert (np.asarray(seq.feats)[:last] == np.asarray(old.feats)[:last]).all()
+        assert (np.asarray(seq.topk_ids)[p - 1:last] == np.asarray(old.topk_ids)[p - 1:last]).all()
+        assert (np.asarray(seq.topk_logits)[p - 1:last] == np.asarray(old.topk_logits)[p - 1:last]).all()
+        assert (np.asarray(seq.greedy)[p - 1:last] == np.asarray(old.greedy)[p - 1:last]).all()
+    with pytest.raises(ValueError, match="written with"):
+        build_teacher_cache(target, records, tmp_path / "prefilled", layers, topk=k, max_len=max_len)

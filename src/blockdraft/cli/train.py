@@ -104,7 +104,7 @@ def cmd_teacher_cache(args) -> int:
     print(json.dumps(run_teacher_cache(TeacherCacheConfig(
         data=args.data, out=args.out, target=args.target, layer_ids=_layer_ids(args.layer_ids), topk=args.topk,
         max_len=args.max_len, limit=args.limit, offset=args.offset, threads=args.threads, dtype=args.dtype,
-        feats=args.feats))))
+        feats=args.feats, weights=args.weights))))
     return 0
 
 
@@ -219,6 +219,10 @@ def register(sub) -> None:
     tc.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="the prefill's float type (auto: bf16 where the CPU multiplies it natively, else fp32; the "
                          "features are stored as --feats says either way)")
+    tc.add_argument("--weights", default="bf16", choices=["bf16", "auto"],
+                    help="bf16: the target's float modules; auto: its decode path on its own weights (a GGUF's "
+                         "quantized blocks on the native kernels): the features `data --record-layers` records, "
+                         "bit for bit, and the faster prefill on a CPU")
     tc.set_defaults(func=cmd_teacher_cache)
 
     _register_heldout(sub)

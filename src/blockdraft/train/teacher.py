@@ -43,7 +43,9 @@ MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "loss_mask", "offsets", "feats", "greedy", "topk_ids", "topk_logits")
 FEATS = ("bf16", "int8")  # how feats.npy holds the features
 FEATS_GROUP = 32  # int8 features: values per scale (a tapped layer's few huge channels would coarsen a whole row)
-SPEC_DEFAULTS = {"first_record": 0, "feats": "bf16"}  # what a cache written before a spec key existed holds
+# what a cache written before a spec key existed holds; source: whose prefill wrote it (float: the HF modules,
+# decode: the decode path, regeneration: the answers' own pass)
+SPEC_DEFAULTS = {"first_record": 0, "feats": "bf16", "source": "float"}
 
 
 class TeacherCacheWriter:
@@ -120,18 +122,26 @@ def pack_features(x: torch.Tensor, feats: str) -> dict[str, np.ndarray]:
 
 def build_teacher_cache(target, records: Sequence[dict], out_dir: str | Path, layer_ids: Sequence[int],
                         topk: int = 16, max_len: int = 512, chunk_records: int = 64,
-                        log_every: int = 1, first_record: int = 0, feats: str = "bf16") -> Path:
+                        log_every: int = 1, first_record: int = 0, feats: str = "bf16",
+                        decode_path: bool = False) -> Path:
     """Prefill the target over `records` (dicts with id / input_ids / loss_mask) and write the cache described in
     the module docstring. Re-running with the same arguments resumes; other layer ids / top-k / max_len than the
     manifest's are refused (the cache would mix two teachers). `first_record` says where `records` starts in the
     record set it was cut from (records appended after an earlier cache go in a cache of their own, and training
     reads the union): it is kept in the manifest, so that resuming with another slice is refused. feats: how the
-    features are held (`FEATS`: bf16, or int8 codes with a scale per position and layer)."""
+    features are held (`FEATS`: bf16, or int8 codes with a scale per position and layer). decode_path: prefill
+    through the target's decode path (its fused weights, a GGUF's own quantized blocks on the native kernels) instead
+    of its float HF modules: the features `blockdraft data --record-layers` records in the answers' pass, bit for bit
+    (a T-token forward gives the bits of T one-token steps), so answers kept without their teacher data regain it;
+    on a CPU it is also the faster prefill. Kept in the manifest (`source: decode`): the two are not mixed."""
     import logging
     import time
 
     log = logging.getLogger(__name__)
     spec = teacher_spec(target, layer_ids, topk, max_len, first_record, feats)
+    if decode_path and target.lean is None:
+        raise ValueError(f"decode_path: this target has no fused decode path ({target.lean_reason})")
+    spec["source"] = "decode" if decode_path else "float"
     writer = TeacherCacheWriter(out_dir, spec)
     done = writer.records
     if done > len(records):
@@ -147,8 +157,12 @@ def build_teacher_cache(target, records: Sequence[dict], out_dir: str | Path, la
             mask = np.asarray(rec["loss_mask"][:max_len], dtype=np.uint8)
             if ids.shape[1] != mask.shape[0]:
                 raise ValueError(f"record {rec.get('id')!r}: input_ids and loss_mask lengths differ")
-            hidden, feats_ = target.hidden(ids, None, tap=True)
-            logits = target.logits(hidden)[0].float()  # [T, V]
+            if decode_path:
+                out = target.forward(ids, target.new_decode_cache(ids.shape[1] + 1), tap=True)
+                feats_, logits = out.features, out.logits[0].float()  # [1, T, K*H], [T, V]
+            else:
+                hidden, feats_ = target.hidden(ids, None, tap=True)
+                logits = target.logits(hidden)[0].float()  # [T, V]
             top = logits.topk(topk, dim=-1)
             one = {"tokens": ids[0].numpy().astype(np.int32), "loss_mask": mask,
                    **pack_features(feats_[0], feats),
@@ -283,12 +297,15 @@ class TeacherCacheConfig:
     threads: int | None = None
     dtype: str = "auto"
     feats: str = "bf16"
+    weights: str = "bf16"  # bf16: the float HF modules; auto: the decode path on the target's own weights
 
     def __post_init__(self) -> None:
         if self.offset < 0 or (self.limit is not None and self.limit < 0):
             raise ValueError("--offset and --limit must be >= 0")
         if self.feats not in FEATS:
             raise ValueError(f"--feats must be one of {FEATS}, got {self.feats!r}")
+        if self.weights not in ("bf16", "auto"):
+            raise ValueError(f"--weights must be bf16 or auto, got {self.weights!r}")
 
 
 def run_teacher_cache(cfg: TeacherCacheConfig) -> dict:
@@ -301,9 +318,9 @@ def run_teacher_cache(cfg: TeacherCacheConfig) -> dict:
     end = None if cfg.limit is None else cfg.offset + cfg.limit
     records = records[cfg.offset:end]
     # training reads the float model; its prefill is compute-bound, so fp32 where bf16 matmuls are emulated
-    target, _ = load_target(cfg.target, dtype_name(compute_dtype(cfg.dtype)), weights="bf16")
+    target, _ = load_target(cfg.target, dtype_name(compute_dtype(cfg.dtype)), weights=cfg.weights)
     layers = list(cfg.layer_ids) if cfg.layer_ids else default_target_layer_ids(
         int(target.config.num_hidden_layers), 6)
     out = build_teacher_cache(target, records, cfg.out, layers, topk=cfg.topk, max_len=cfg.max_len,
-                              first_record=cfg.offset, feats=cfg.feats)
+                              first_record=cfg.offset, feats=cfg.feats, decode_path=cfg.weights == "auto")
     return {"out": str(out), "records": len(records), "first_record": cfg.offset, "layer_ids": layers}
