@@ -43,13 +43,16 @@ class Tree:
     built_as_chain: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
-    def chain(cls, root: torch.Tensor | int, drafts: torch.Tensor, q: torch.Tensor | None = None) -> "Tree":
-        """A chain as a tree: the root (the last committed token), then drafts [G] int64, each the child of the one
-        before; q [G, V]: the distribution each draft was sampled from (None: proposed deterministically, a point
-        mass as prompt lookup's, or greedily)."""
-        root = torch.as_tensor(root, dtype=torch.long, device=drafts.device).view(1)
-        tokens = torch.cat([root, drafts.long()])  # a copy: root may be a view of the row's committed tokens
-        n, dev = tokens.numel(), drafts.device
+    def chain(cls, root: torch.Tensor | int, drafts: torch.Tensor | None = None,
+              q: torch.Tensor | None = None) -> "Tree":
+        """A chain as a tree: the root (the last committed token), then drafts [G] int64 (None: none, the root
+        alone: a step that drafts nothing), each the child of the one before; q [G, V]: the distribution each draft
+        was sampled from (None: proposed deterministically, a point mass as prompt lookup's, or greedily)."""
+        dev = drafts.device if drafts is not None else getattr(root, "device", None)
+        root = torch.as_tensor(root, dtype=torch.long, device=dev).view(1)
+        # a copy either way: root may be a view of the row's committed tokens
+        tokens = root.clone() if drafts is None else torch.cat([root, drafts.long()])
+        n = tokens.numel()
         idx = torch.arange(n, device=dev)
         return cls(tokens, idx - 1, idx, torch.full((n,), q is None, dtype=torch.bool, device=dev),
                    torch.ones(n, device=dev), q=q, built_as_chain=True)

@@ -60,7 +60,7 @@ def greedy_verify(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], l
 
 
 def rejection_verify(tree: Tree, target_probs: torch.Tensor | Callable[[int], torch.Tensor],
-                          generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+                     generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """tree with N nodes (tree.q set for sampled children); target_probs [N, V] processed target distributions, or a
     function node -> [V] that processes a row on demand (only the visited nodes' rows are needed, and top-p sorts a
     whole vocabulary per row). Returns (path, committed) as greedy_verify does; committed is distributed exactly

@@ -198,7 +198,7 @@ class DFlashProposer(Proposer):
                 generator: torch.Generator | None) -> Tree:
         block = self._open(tokens, num_draft)
         if block is None:
-            return Tree.chain(tokens[-1], tokens.new_zeros(0))
+            return Tree.chain(tokens[-1])
         g = block.shape[0] - 1
         out = torch.zeros(g, dtype=torch.long, device=tokens.device)
         q = None if sampling.greedy else torch.zeros(g, self.target.vocab_size, device=tokens.device)
@@ -282,7 +282,7 @@ class DFlashProposer(Proposer):
             blocks = {i: proposers[i]._open(tokens[i], num_drafts[i]) for i in rows}
             for i in rows:
                 if blocks[i] is None:
-                    out[i] = Tree.chain(tokens[i][-1], tokens[i].new_zeros(0))
+                    out[i] = Tree.chain(tokens[i][-1])
             rows = [i for i in rows if blocks[i] is not None]
             if not rows:
                 continue

@@ -72,7 +72,7 @@ class EagleProposer(Proposer):
                 generator: torch.Generator | None) -> Tree:
         g = min(num_draft, self.gamma)
         if g <= 0:
-            return Tree.chain(tokens[-1], tokens.new_zeros(0))
+            return Tree.chain(tokens[-1])
         n = tokens.shape[0]
         feats = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
         c = self.cache.length

@@ -49,7 +49,7 @@ class FeatureRecorder(Proposer):
 
     def propose(self, tokens: torch.Tensor, num_draft: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Tree:
-        return Tree.chain(tokens[-1], tokens.new_zeros(0))
+        return Tree.chain(tokens[-1])
 
     def accept(self, tree: Tree, path: list[int], features: torch.Tensor | None) -> None:
         if features is not None:
