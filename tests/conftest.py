@@ -81,11 +81,13 @@ def tiny_qwen2_with_biases(seed: int = 0, hidden: int = 32, intermediate: int = 
 
 
 def tiny_draft(target: TargetModel, layers: int = 2, block_size: int = 8, seed: int = 1,
-               dtype=torch.float32, intermediate_size: int | None = None) -> DFlashDraftModel:
-    """intermediate_size: the draft's MLP width (None: the target's)."""
+               dtype=torch.float32, intermediate_size: int | None = None,
+               layer_mix: bool = False) -> DFlashDraftModel:
+    """intermediate_size: the draft's MLP width (None: the target's); layer_mix: each layer mixes the fused inputs
+    with its own weights."""
     mlp = {"intermediate_size": intermediate_size} if intermediate_size else {}
     cfg = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block_size,
-                                   mask_token_id=MASK_ID, num_target_features=3, **mlp)
+                                   mask_token_id=MASK_ID, num_target_features=3, layer_mix=layer_mix, **mlp)
     with seeded(seed):
         draft = DFlashDraftModel(cfg)
     return draft.to(dtype).eval()

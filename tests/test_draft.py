@@ -192,3 +192,61 @@ def test_next_token_feature_round_trips_and_stays_out_of_the_public_layout(tmp_p
     assert loaded.fc.weight.shape[1] == (draft.config.num_target_features + 1) * llama_target.hidden_size
     with pytest.raises(ValueError, match="next token"):
         export_draft_gguf(tmp_path / "d", tmp_path / "none.gguf", tmp_path, tmp_path / "out.gguf")
+
+
+def test_layer_mix_gives_each_layer_its_own_context(target: TargetModel):
+    """With layer_mix, layer l's context keys/values are those of hidden_norm(fc(mix[l] * inputs)) (naive reference:
+    the fusion run once per layer on its scaled inputs); all weights 1 is the one-fused-input draft; unequal weights
+    give the layers different contexts."""
+    from blockdraft.models.draft_layers import apply_rope, rope_cos_sin
+
+    base = tiny_draft(target, layers=3)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    mixed = base.with_layer_mix()
+    assert mixed.config.layer_mix and not base.config.layer_mix and mixed.mix.shape == (3, 3)
+    feats, block = _inputs(target, base)
+    # fp32; the per-input projections sum in another order than one fusion matmul: 1e-5 covers rounding only
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_run(target, mixed, feats, block), _run(target, base, feats, block), **tol)
+    with torch.no_grad():
+        mixed.mix.copy_(torch.rand(3, 3, generator=torch.Generator().manual_seed(4)) * 2)
+    cfg, pos, h = mixed.config, torch.arange(7).unsqueeze(0), target.hidden_size
+    ks, vs = mixed.context_kv(feats, pos)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, feats.dtype)
+    per = feats.view(1, 7, 3, h)
+    for i, layer in enumerate(mixed.layers):
+        ctx = mixed.hidden_norm(mixed.fc((per * mixed.mix[i].view(1, 1, 3, 1)).flatten(2)))
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(ctx).view(1, 7, cfg.num_key_value_heads, cfg.head_dim)).transpose(1, 2)
+        v = a.v_proj(ctx).view(1, 7, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        torch.testing.assert_close(ks[i], apply_rope(k, cos, sin), **tol)
+        torch.testing.assert_close(vs[i], v, **tol)
+    assert not torch.allclose(_run(target, mixed, feats, block), _run(target, base, feats, block), atol=1e-3)
+    # extensions keep the mixed draft's function: more taps (zero columns), more layers (zero outputs), next token
+    old_ids = cfg.target_layer_ids
+    spare = next(i for i in range(target.num_layers) if i not in old_ids)
+    wide = mixed.with_target_layers([spare] + old_ids).with_extra_layers(target, 1)
+    wide_feats = torch.cat([torch.randn(1, 7, h, generator=torch.Generator().manual_seed(5)) * 5, feats], -1)
+    torch.testing.assert_close(_run(target, wide, wide_feats, block), _run(target, mixed, feats, block), **tol)
+    nxt = mixed.with_next_token_feature()
+    torch.testing.assert_close(_run(target, nxt, torch.cat([feats, torch.randn(1, 7, h)], -1), block),
+                               _run(target, mixed, feats, block), **tol)
+
+
+def test_layer_mix_round_trips_and_stays_out_of_the_public_layout(tmp_path, llama_target):
+    """The flag is saved in blockdraft's own section, the weights in model.safetensors; llama.cpp export refuses."""
+    from blockdraft.export.gguf import export_draft_gguf
+
+    draft = tiny_draft(llama_target, layers=2, layer_mix=True)
+    with torch.no_grad():
+        draft.mix.copy_(torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.25, 1.0]]))
+    draft.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["blockdraft"]["layer_mix"] is True and "layer_mix" not in cfg["dflash_config"]
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert loaded.config.layer_mix and "layer_mix" not in loaded.config.extra
+    torch.testing.assert_close(loaded.mix, draft.mix, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="layer_mix"):
+        export_draft_gguf(tmp_path / "d", tmp_path / "none.gguf", tmp_path, tmp_path / "out.gguf")

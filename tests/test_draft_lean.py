@@ -23,10 +23,11 @@ def _trained_looking(draft):
     return draft
 
 
-@pytest.mark.parametrize("layers,mlp", [(1, None), (3, None), (1, 23)])
-def test_lean_context_and_block_equal_the_module(target, layers, mlp):
-    """mlp: a draft MLP narrower than the target's (odd width) instead of the target's own."""
-    draft = _trained_looking(tiny_draft(target, layers=layers, intermediate_size=mlp))
+@pytest.mark.parametrize("layers,mlp,mix", [(1, None, False), (3, None, False), (1, 23, False), (3, None, True)])
+def test_lean_context_and_block_equal_the_module(target, layers, mlp, mix):
+    """mlp: a draft MLP narrower than the target's (odd width) instead of the target's own; mix: each layer mixes
+    the fused inputs with its own (perturbed, so unequal) weights."""
+    draft = _trained_looking(tiny_draft(target, layers=layers, intermediate_size=mlp, layer_mix=mix))
     lean = LeanDraft(draft)
     cfg = draft.config
     g = torch.Generator().manual_seed(0)

@@ -424,17 +424,24 @@ def test_a_continued_draft_may_gain_taps_and_layers_but_not_lose_taps(tiny_targe
     gated.save_pretrained(tmp_path / "saved-gate")
     with pytest.raises(ValueError, match="copy-gate"):
         make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved-gate")), tiny_target, cache)
+    mixed = make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved"), layer_mix=True), tiny_target, cache)
+    assert mixed.config.layer_mix and bool((mixed.mix == 1).all())
+    mixed.save_pretrained(tmp_path / "saved-mix")
+    with pytest.raises(ValueError, match="layer-mix"):
+        make_fast_draft(_fast_cfg(tmp_path, init=str(tmp_path / "saved-mix")), tiny_target, cache)
 
 
-@pytest.mark.parametrize("next_token,copy_gate", [(False, False), (True, False), (False, True)],
-                         ids=["layout", "next-token-feature", "copy-gate"])
-def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path, next_token, copy_gate,
+@pytest.mark.parametrize("next_token,copy_gate,layer_mix", [(False, False, False), (True, False, False),
+                                                            (False, True, False), (False, False, True)],
+                         ids=["layout", "next-token-feature", "copy-gate", "layer-mix"])
+def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path, next_token, copy_gate, layer_mix,
                                                           monkeypatch):
     """Training's replay (walk_lengths) and the engine's real decoding agree: on the text the engine wrote, the walk
     visits the same anchors and commits the same tokens per step. This ties the learning curve to what decoding
     will do (the training side's batched block attention over cached features vs the engine's KV-cached proposer;
     with `next_token_feature`, also the two ways of pairing each context position with the token after it; with a
-    copy gate, training's lookup table against decoding's per-step lookup and the two scorings).
+    copy gate, training's lookup table against decoding's per-step lookup and the two scorings; with a layer mix,
+    training's per-input projections against decoding's scaled fusion).
     The draft is trained for a few steps on the target's own text first, so that blocks get accepted. fp32 on both
     sides; the cache keeps features rounded to bf16, so a near-tie may flip a step: at most 1 in 10 may differ."""
     from blockdraft.config import GenerationConfig
@@ -458,9 +465,13 @@ def test_walk_on_the_engines_own_text_replays_its_decoding(tiny_target, tmp_path
     with seeded(15):
         train(_fast_cfg(tmp_path, cache=own, heldout_cache=own, steps=40, anchors=0, kd_weight=0.0,
                              draft_vocab_size=VOCAB, eval_every=1000, save_every=1000, walk_seqs=0,
-                             next_token_feature=next_token, copy_gate=copy_gate), tiny_target)
+                             next_token_feature=next_token, copy_gate=copy_gate, layer_mix=layer_mix), tiny_target)
     draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "draft", dtype=torch.float32).eval()
     assert draft.config.next_token_feature == next_token and draft.config.copy_gate == copy_gate
+    assert draft.config.layer_mix == layer_mix
+    if layer_mix:  # trained at its own rate: the two layers read the two taps differently
+        mix = draft.mix.detach()
+        assert float((mix - 1).abs().min()) > 0.02 and float((mix[0] - mix[1]).abs().max()) > 0.02, mix
     real, seen = [], []
     if copy_gate:  # trained (its own learning rate), so a misaligned candidate would change the proposals; random
         #            text repeats 1- and 2-grams only, so only those rows of the table move
@@ -579,3 +590,23 @@ def test_anchor_weights_follow_the_targets_hesitation(tiny_target, tmp_path):
         _fast_cfg(tmp_path, anchor_bias=-1.0)
     with pytest.raises(ValueError, match="anchor_bias"):
         TrainConfig(data="x.jsonl", anchor_bias=2.0)
+
+
+def test_param_groups_give_the_gate_and_the_mix_their_own_rates(tiny_target):
+    """Every trainable parameter is in exactly one group; the gate's table and the layer mix have their own roles
+    and rates (the mix at mix_lr_scale times the draft's schedule, the gate constant after warm-up)."""
+    from blockdraft.train.trainer import draft_param_groups, group_lr
+
+    draft = tiny_draft(tiny_target, layers=2, layer_mix=True).with_copy_gate()
+    groups = draft_param_groups(draft)
+    assert [g["role"] for g in groups] == ["draft", "gate", "mix"]
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in draft.parameters() if p.requires_grad) and len(set(ids)) == len(ids)
+    assert groups[2]["params"] == [draft.mix] and groups[1]["params"] == [draft.copy_gate.table]
+    cfg = TrainConfig(cache="x", steps=100, warmup=10, lr=1e-3, mix_lr_scale=7.0, copy_gate_lr=0.05)
+    for step in (0, 5, 50, 99):
+        assert group_lr("mix", step, cfg) == pytest.approx(7.0 * group_lr("draft", step, cfg))
+    assert group_lr("gate", 50, cfg) == group_lr("gate", 99, cfg) == 0.05
+    assert [g["role"] for g in draft_param_groups(tiny_draft(tiny_target))] == ["draft"]
+    with pytest.raises(ValueError, match="mix_lr_scale"):
+        TrainConfig(cache="x", mix_lr_scale=0.0)

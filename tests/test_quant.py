@@ -575,15 +575,16 @@ def test_native_stack_with_biases_and_refusals(one_thread):
     assert plain.lean.native is None and "quantized" in plain.lean.native_reason
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_native_draft_matches_the_python_layers(layers, one_thread):
+@pytest.mark.parametrize("layers,mix", [(1, False), (3, False), (3, True)])
+def test_native_draft_matches_the_python_layers(layers, mix, one_thread):
     """The draft's native stack (csrc/decoder.cpp DraftStack) against LeanDraft's Python layers on the same int8
-    weights: context keys / values appended in two pieces (the cache grows), then a block over all of it."""
+    weights: context keys / values appended in two pieces (the cache grows), then a block over all of it. With a
+    layer mix the context is projected in Python (the stack knows one fused context) and the block runs natively."""
     from blockdraft.models.cache import KVCache
     from blockdraft.models.draft_lean import LeanDraft
 
     target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
-    draft = tiny_draft(target, layers=layers)
+    draft = tiny_draft(target, layers=layers, layer_mix=mix)
     with torch.no_grad():  # norms away from 1, as a trained draft's are
         for i, p in enumerate(draft.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)

@@ -35,7 +35,8 @@ import torch
 from ..config import cache_dir
 from ..models.loading import materialize, resolve_target
 from ..models.copy_gate import GATE_WEIGHTS_NAME
-from ..models.draft import check_compatible, read_draft_dir
+from ..models.draft import check_compatible
+from ..models.draft_files import read_draft_dir
 from ..models.draft_config import DFlashConfig
 from ..models.hf_config import text_config
 
@@ -222,6 +223,9 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
     if cfg.next_token_feature:
         raise ValueError(f"{draft_dir} reads the next token's embedding (next_token_feature), an input outside the "
                          "public DFlash layout that llama.cpp's draft-dflash does not compute")
+    if cfg.layer_mix:
+        raise ValueError(f"{draft_dir} gives each draft layer its own mix of the fused inputs (layer_mix), which "
+                         "llama.cpp's draft-dflash does not compute (it feeds every layer one fused input)")
     if cfg.copy_gate:  # the layout part is complete without it: llama.cpp drafts with the plain head
         log.warning("%s has a copy gate (%s): blockdraft's own extension, which llama.cpp does not compute; the "
                     "exported draft proposes without it (fewer accepted tokens where prompt lookup would copy)",

@@ -9,12 +9,13 @@ Architecture (paper sec. 3; layout of the public DFlash checkpoints, so vLLM/SGL
   (the mask token is the target's row at `mask_token_id`). Neither is stored in the draft.
 
 Because every layer projects the same fused context, the context K/V of all layers are produced by one matmul with
-the layers' k/v weights stacked (`context_kv`), and only those are cached between decode steps.
+the layers' k/v weights stacked (`context_kv`), and only those are cached between decode steps. With `layer_mix`
+(blockdraft's extension, draft_config.py) each layer has a context of its own: the fusion projects each tapped
+layer once and every layer mixes the projections with its own learned weights (`mix`) before the shared norm.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -24,11 +25,8 @@ from torch import nn
 
 from .copy_gate import GATE_WEIGHTS_NAME, CopyGate
 from .draft_config import DFlashConfig
+from .draft_files import WEIGHTS_NAME, load_checked, read_draft_dir, write_draft_dir
 from .draft_layers import Layer, RMSNorm, apply_rope, rope_cos_sin
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
 
 class DFlashDraftModel(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
@@ -43,10 +41,15 @@ class DFlashDraftModel(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # blockdraft's extension (off by default): a bonus on prompt lookup's candidate token (copy_gate.py)
         self.copy_gate = CopyGate(cfg.hidden_size, cfg.block_size) if cfg.copy_gate else None
+        # blockdraft's extension (off by default): layer l weighs fused input k by mix[l, k] (`DFlashConfig.layer_mix`)
+        self.mix = nn.Parameter(torch.ones(cfg.num_hidden_layers, cfg.num_fused_inputs)) if cfg.layer_mix else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         init_draft_weights(self, std)
+        if self.mix is not None:
+            with torch.no_grad():
+                self.mix.fill_(1.0)  # every layer starts with the one fused input
 
     @torch.no_grad()
     def init_from_target(self, target, scale: float = 1.0) -> "DFlashDraftModel":
@@ -121,6 +124,13 @@ class DFlashDraftModel(nn.Module):
         if cfg.next_token_feature:  # its block stays last
             w[:, -h:] = self.fc.weight[:, -h:]
         state["fc.weight"] = w
+        if self.mix is not None:  # a new input's weight is moot while its fusion columns are zero
+            mix = torch.ones(cfg.num_hidden_layers, cfg.num_fused_inputs, dtype=self.mix.dtype)
+            for j, lid in enumerate(old):
+                mix[:, list(layer_ids).index(lid)] = self.mix[:, j]
+            if cfg.next_token_feature:
+                mix[:, -1] = self.mix[:, -1]
+            state["mix"] = mix
         new.load_state_dict(state)
         return new.train(self.training)
 
@@ -139,6 +149,8 @@ class DFlashDraftModel(nn.Module):
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
             state.update({f"layers.{i}.{k}": v for k, v in layer.state_dict().items()})
+        if self.mix is not None:  # the appended layers read the inputs equally (moot while their outputs are zero)
+            state["mix"] = torch.cat([self.mix, self.mix.new_ones(n_extra, self.mix.shape[1])])
         new.load_state_dict(state)
         return new.train(self.training)
 
@@ -154,7 +166,22 @@ class DFlashDraftModel(nn.Module):
         state = dict(self.state_dict())
         state["fc.weight"] = torch.cat([self.fc.weight, self.fc.weight.new_zeros(cfg.hidden_size, cfg.hidden_size)],
                                        dim=1)
+        if self.mix is not None:
+            state["mix"] = torch.cat([self.mix, self.mix.new_ones(self.mix.shape[0], 1)], dim=1)
         new.load_state_dict(state)
+        return new.train(self.training)
+
+    @torch.no_grad()
+    def with_layer_mix(self) -> "DFlashDraftModel":
+        """A copy in which each layer mixes the fused inputs with its own weights (`DFlashConfig.layer_mix`), all
+        starting at 1: it computes what this draft computes (up to rounding) until training moves them."""
+        if self.config.layer_mix:
+            return self
+        cfg = replace(self.config, layer_mix=True, extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        new.load_state_dict({**self.state_dict(), "mix": new.mix.detach().clone()})
+        if new.copy_gate is not None:
+            new.copy_gate.float()
         return new.train(self.training)
 
     @torch.no_grad()
@@ -229,15 +256,35 @@ class DFlashDraftModel(nn.Module):
         assert kh == cfg.num_fused_inputs * cfg.hidden_size, (
             f"features must be [B, C, K*H] with K*H = {cfg.num_fused_inputs * cfg.hidden_size}, got {kh}"
         )
-        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [B, C, H]
         attn = [layer.self_attn for layer in self.layers]
-        w = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], dim=0)
-        kv = F.linear(ctx, w).view(b, c, 2, len(attn), cfg.num_key_value_heads, cfg.head_dim)
-        k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
-        v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        ctx = self.fused_context(features)  # [B, C, H], or [L, B, C, H] with layer_mix
+        if self.mix is None:  # one context for every layer: all their k/v in one matmul
+            w = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn], dim=0)
+            kv = F.linear(ctx, w).view(b, c, 2, len(attn), cfg.num_key_value_heads, cfg.head_dim)
+            k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
+            v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        else:
+            kv = torch.stack([F.linear(ctx[i], torch.cat([a.k_proj.weight, a.v_proj.weight]))
+                              for i, a in enumerate(attn)]).view(len(attn), b, c, 2, cfg.num_key_value_heads,
+                                                                 cfg.head_dim)
+            k = kv[:, :, :, 0].transpose(2, 3)  # [L, B, H_kv, C, D]
+            v = kv[:, :, :, 1].transpose(2, 3)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, k.dtype)
         ks = torch.stack([apply_rope(a.k_norm(k[i]), cos, sin) for i, a in enumerate(attn)])
         return ks, v.contiguous()
+
+    def fused_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, C, K*H] -> the normed fused context: [B, C, H], or [L, B, C, H] (one per layer) with
+        `layer_mix`, where fc(mix[l] * features) = sum_k mix[l, k] W_k features_k is computed as K projections made
+        once and mixed per layer (the cost of one fusion whatever the depth)."""
+        x = features.to(self.dtype)
+        if self.mix is None:
+            return self.hidden_norm(self.fc(x))
+        cfg = self.config
+        b, c, _ = x.shape
+        k, h = cfg.num_fused_inputs, cfg.hidden_size
+        per_input = torch.einsum("bckh,okh->bcko", x.view(b, c, k, h), self.fc.weight.view(h, k, h))
+        return self.hidden_norm(torch.einsum("bcko,lk->lbco", per_input, self.mix.to(per_input.dtype)))
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_k, ctx_v,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,52 +374,6 @@ def copy_target_final_norm(norm: RMSNorm, target, scale: float = 1.0) -> None:
         norm.weight.copy_(w * scale)
 
 
-# ------------------------------------------------------------------------------------------ draft directories
-def write_draft_dir(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict) -> None:
-    """config.json + model.safetensors, the weights written to a temporary file first (an interrupted save never
-    leaves a truncated model.safetensors behind)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (WEIGHTS_NAME + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / WEIGHTS_NAME)
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-
-
-def read_draft_dir(path: str | Path, weights: str = WEIGHTS_NAME) -> tuple[dict, dict[str, torch.Tensor]]:
-    """-> (config.json as a dict, the safetensors state of `weights`), with a clear error for a missing or corrupt
-    file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not (p / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{p} is not a draft directory (no {CONFIG_NAME})")
-    try:
-        d = json.loads((p / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p / CONFIG_NAME} is not valid JSON: {e}") from None
-    if not (p / weights).is_file():
-        raise FileNotFoundError(f"{p} has no {weights}")
-    try:
-        state = load_file(str(p / weights))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{p / weights} is not a readable safetensors file: {e}") from None
-    return d, state
-
-
-def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """Load `state` into `model`, turning missing/unexpected names and contradicting shapes into a ValueError."""
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # tensor shapes that contradict config.json
-        raise ValueError(f"{source} does not match its config: {e}") from None
-    if missing or unexpected:
-        raise ValueError(f"{source} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
 def check_compatible(cfg: DFlashConfig, target) -> None:
     """Raise a clear error when a draft does not fit a target (wrong checkpoint for this model)."""
     problems = []
@@ -406,6 +407,7 @@ def config_summary(cfg: DFlashConfig) -> dict:
     d = asdict(cfg)
     d["params_M"] = round(
         (cfg.num_fused_inputs * cfg.hidden_size * cfg.hidden_size
+         + (cfg.num_hidden_layers * cfg.num_fused_inputs if cfg.layer_mix else 0)
          + cfg.num_hidden_layers * (2 * cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads
                                                                          + cfg.num_key_value_heads)
                                     + 3 * cfg.hidden_size * cfg.intermediate_size)) / 1e6, 2)

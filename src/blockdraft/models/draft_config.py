@@ -103,6 +103,12 @@ class DFlashConfig(DraftShape):
     # blockdraft's copy gate (`copy_gate.py`, off by default): a learned bonus on the logit of the token prompt lookup
     # would copy. Its weights live in their own file, so the draft's model.safetensors keeps the public layout.
     copy_gate: bool = False
+    # Each draft layer reads its own mix of the fused inputs (off by default, outside the public layout): the fusion
+    # projects each tapped layer once, and layer l's context is the RMSNorm of sum_k mix[l, k] * fc_k(feature_k)
+    # (`DFlashDraftModel.mix`, one learned scalar per draft layer and input). Why: with one fused input every draft
+    # layer attends to the same context, which is what stops a deeper draft from gaining (DFlare, arXiv 2606.02091);
+    # the mix costs no more than one fusion. With one draft layer it adds nothing the fusion cannot learn.
+    layer_mix: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -174,6 +180,8 @@ class DFlashConfig(DraftShape):
             d.update(next_token_feature=True, next_token_scale=self.next_token_scale)
         if self.copy_gate:
             d["copy_gate"] = True
+        if self.layer_mix:
+            d["layer_mix"] = True
         return d
 
     @classmethod
@@ -191,6 +199,7 @@ class DFlashConfig(DraftShape):
         next_token = bool(extra.pop("next_token_feature", False))
         next_scale = float(extra.pop("next_token_scale", 1.0))
         copy_gate = bool(extra.pop("copy_gate", False))
+        layer_mix = bool(extra.pop("layer_mix", False))
         decode_block = extra.pop("decode_block_size", None)
         no_features = bool(extra.pop("no_target_features", False))
         return cls(
@@ -204,6 +213,6 @@ class DFlashConfig(DraftShape):
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=extra, draft_vocab_size=d.get("draft_vocab_size"),
-            next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate,
+            next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate, layer_mix=layer_mix,
             decode_block_size=int(decode_block) if decode_block else None, no_target_features=no_features,
         )

@@ -68,6 +68,7 @@ class LeanDraft:
         packed = packed_linear_available(self.dtype, device) if packed is None else packed
         self.fc = _linear([draft.fc.weight], packed, weights)
         self.hidden_norm = draft.hidden_norm.weight.detach()
+        self.mix = None if draft.mix is None else draft.mix.detach().to(self.dtype)  # [L, K]: layer_mix
         self.final_norm = draft.norm.weight.detach()
         self.eps = draft.norm.eps
         self.layers = [_DraftLayer(layer, packed, weights) for layer in draft.layers]
@@ -99,8 +100,9 @@ class LeanDraft:
         return self._rope_rows(positions[0])
 
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, ctx: KVCache) -> None:
-        """features [1, C, K*H] at positions [1, C] -> their keys / values appended to every layer of `ctx`."""
-        if self.native is None or features.shape[0] != 1:
+        """features [1, C, K*H] at positions [1, C] -> their keys / values appended to every layer of `ctx`. The
+        native stack knows one fused context only: a `layer_mix` draft projects its few new positions here."""
+        if self.native is None or features.shape[0] != 1 or self.mix is not None:
             ctx.append(*self.context_kv(features, positions))
             return
         c = features.shape[1]
@@ -115,11 +117,23 @@ class LeanDraft:
         b, c, kh = features.shape
         assert kh == cfg.num_fused_inputs * cfg.hidden_size, (
             f"features must be [B, C, K*H] with K*H = {cfg.num_fused_inputs * cfg.hidden_size}, got {kh}")
-        ctx = rms_norm(self.fc(features.to(self.dtype)), self.hidden_norm, cfg.rms_norm_eps)
         n = len(self.layers)
-        kv = self.ctx_kv(ctx).view(b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)
-        k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
-        v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        x = features.to(self.dtype)
+        if self.mix is None:
+            ctx = rms_norm(self.fc(x), self.hidden_norm, cfg.rms_norm_eps)
+            kv = self.ctx_kv(ctx).view(b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)
+            k = kv[:, :, 0].permute(2, 0, 3, 1, 4)  # [L, B, H_kv, C, D]
+            v = kv[:, :, 1].permute(2, 0, 3, 1, 4)
+        else:
+            # layer l's context is fc(mix[l] * features): the L scaled copies go through the fusion as one call (at
+            # decode time a few rows, so one weight read), then each layer keeps its own rows of the stacked k/v
+            k_in, h = cfg.num_fused_inputs, cfg.hidden_size
+            scaled = (x.view(1, b, c, k_in, h) * self.mix.view(n, 1, 1, k_in, 1)).reshape(n * b, c, k_in * h)
+            ctx = rms_norm(self.fc(scaled), self.hidden_norm, cfg.rms_norm_eps)
+            kv = self.ctx_kv(ctx).view(n, b, c, 2, n, cfg.num_key_value_heads, cfg.head_dim)
+            kv = kv[torch.arange(n), :, :, :, torch.arange(n)]  # [L, B, C, 2, H_kv, D]
+            k = kv[:, :, :, 0].transpose(2, 3)  # [L, B, H_kv, C, D]
+            v = kv[:, :, :, 1].transpose(2, 3)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, k.dtype)
         ks = torch.stack([apply_rope(rms_norm(k[i], layer.k_norm, layer.eps), cos, sin)
                           for i, layer in enumerate(self.layers)])

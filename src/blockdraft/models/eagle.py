@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import (CONFIG_NAME, WEIGHTS_NAME, copy_target_final_norm, init_draft_weights, load_checked, read_draft_dir,
-                    write_draft_dir)
+from .draft import copy_target_final_norm, init_draft_weights
+from .draft_files import CONFIG_NAME, WEIGHTS_NAME, load_checked, read_draft_dir, write_draft_dir
 from .draft_config import DraftShape, default_target_layer_ids, target_layer_shape
 from .draft_layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 

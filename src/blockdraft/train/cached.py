@@ -132,17 +132,6 @@ class CachedObjective:
         self.held_seqs, self.held_anchors = heldout_anchors(held, cfg.eval_seqs, cfg.eval_anchors, cfg.max_len,
                                                             cfg.seed)
 
-    def param_groups(self) -> list[dict]:
-        # the gate's table (a few dozen bonuses that must reach several nats) gets its own learning rate; its w (one
-        # weight per hidden unit, summed over H) moves with the draft's: at 1e-2 its H steps would add up to nats
-        gate = [self.draft.copy_gate.table] if self.draft.copy_gate is not None else []
-        gate_ids = {id(p) for p in gate}
-        groups = [{"params": [p for p in self.draft.parameters() if p.requires_grad and id(p) not in gate_ids],
-                   "role": "draft"}]
-        if gate:
-            groups.append({"params": gate, "role": "gate"})
-        return groups
-
     def step(self, state: dict, rank: int, world: int):
         """One optimizer step's forward and backward -> (loss, correct [W], counted [W], rows computed)."""
         cfg = self.cfg

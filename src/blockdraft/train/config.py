@@ -48,6 +48,8 @@ class TrainConfig:
     decode_block: int = 0  # the block the draft recommends decoding with, written into its config.json
     #                        (`decode_block_size`; 0 = none: decoders use block_size)
     copy_gate: bool = False  # a learned bonus on prompt lookup's candidate (`copy_gate.py`; cache source)
+    layer_mix: bool = False  # each draft layer mixes the fused inputs with its own learned weights (a departure from
+    #                          the public layout: `DFlashConfig.layer_mix`; pays with 2+ draft layers)
     # ---------------------------------------------------------------------------------------- what a step sees
     train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
     #                        step into the first positions, which decide acceptance most (cache source)
@@ -86,6 +88,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     copy_gate_lr: float = 1e-2  # the gate table's own (constant after warm-up) learning rate: its bonuses must reach
     #                             a few nats, and Adam moves a weight by about its lr per step
+    mix_lr_scale: float = 10.0  # the layer mix's weights learn at this multiple of lr: a handful of scalars that
+    #                             must move by O(1), where Adam moves a weight by about its lr per step
     seed: int = 0
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 only where the CPU multiplies it natively
     threads: int = 0  # torch threads (0 = torch's default)
@@ -141,6 +145,8 @@ class TrainConfig:
             raise ValueError("kd_weight must be in [0, 1]")
         if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):
             raise ValueError(f"anchor_bias must be a finite number >= 0, got {self.anchor_bias}")
+        if not (self.mix_lr_scale > 0 and math.isfinite(self.mix_lr_scale)):
+            raise ValueError(f"mix_lr_scale must be a finite number > 0, got {self.mix_lr_scale}")
         if self.intermediate_size < 0:
             raise ValueError(f"intermediate_size must be >= 0 (0: the target's), got {self.intermediate_size}")
         if self.seqs_per_step < 1 or self.steps < 1:

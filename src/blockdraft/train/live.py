@@ -223,9 +223,6 @@ class LiveObjective:
         self.prompts = [prompt_of(r) for r in (heldout or [])[: cfg.eval_prompts]]
         self._perms: dict[int, torch.Tensor] = {}  # the current epoch's record order (batched steps)
 
-    def param_groups(self) -> list[dict]:
-        return [{"params": [p for p in self.draft.parameters() if p.requires_grad], "role": "draft"}]
-
     def step(self, state: dict, rank: int, world: int):
         """One optimizer step's forward and backward -> (mean loss, correct [W], counted [W], rows)."""
         cfg, n = self.cfg, len(self.records)

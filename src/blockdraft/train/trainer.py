@@ -51,6 +51,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
+def group_lr(role: str | None, step: int, cfg: TrainConfig) -> float:
+    """A parameter group's learning rate at `step` (`draft_param_groups` names the roles): the draft's schedule;
+    the copy gate's table at its own rate, constant after warm-up; the layer mix at `mix_lr_scale` times the
+    schedule."""
+    if role == "gate":
+        return cfg.copy_gate_lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+    return lr_at(step, cfg) * (cfg.mix_lr_scale if role == "mix" else 1.0)
+
+
+def draft_param_groups(draft: nn.Module) -> list[dict]:
+    """The trainable parameters by role: "draft", and where the draft has them "gate" (the copy gate's table: a
+    few dozen bonuses that must reach several nats; its w, one weight per hidden unit summed over H, moves with the
+    draft's, since at the gate's rate its H steps would add up to nats) and "mix" (the layer mix's weights)."""
+    gate = [draft.copy_gate.table] if getattr(draft, "copy_gate", None) is not None else []
+    mix = [draft.mix] if getattr(draft, "mix", None) is not None else []
+    own = {id(p) for p in gate + mix}
+    groups = [{"params": [p for p in draft.parameters() if p.requires_grad and id(p) not in own], "role": "draft"}]
+    groups += [{"params": [p for p in ps if p.requires_grad], "role": role} for role, ps in (("gate", gate),
+                                                                                          ("mix", mix)) if ps]
+    return [g for g in groups if g["params"]]
+
+
 def resolve_layer_ids(cfg: TrainConfig, target) -> TrainConfig:
     """cfg with layer_ids filled in when unset: a continued draft's own, else `num_target_features` layers spread
     over the target's depth."""
@@ -100,6 +122,11 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
         if cfg.copy_gate and not draft.config.copy_gate:
             log.info("adding a copy gate to %s (its bonus starts at zero)", cfg.init)
             draft = draft.with_copy_gate()
+        if draft.config.layer_mix and not cfg.layer_mix:
+            raise ValueError(f"{cfg.init} mixes the fused inputs per layer; continue it with --layer-mix true")
+        if cfg.layer_mix and not draft.config.layer_mix:
+            log.info("giving each layer of %s its own mix of the fused inputs (all weights start at 1)", cfg.init)
+            draft = draft.with_layer_mix()
         return draft.train()
     torch.manual_seed(cfg.seed)
     mask_id = (cfg.mask_token_id if cfg.mask_token_id is not None
@@ -109,6 +136,7 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
                                     draft_vocab_size=cfg.draft_vocab_size or None,
                                     next_token_feature=cfg.next_token_feature,
                                     next_token_scale=cfg.next_token_scale, copy_gate=cfg.copy_gate,
+                                    layer_mix=cfg.layer_mix,
                                     **({"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}))
     draft = DFlashDraftModel(dcfg).float().init_from_target(target)
     if cfg.init in ("target", "target-identity"):
@@ -219,7 +247,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     if cfg.decode_block:
         draft.config.decode_block_size = cfg.decode_block
 
-    groups = objective.param_groups()
+    groups = draft_param_groups(draft)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state = {"step": 0, "samples_seen": 0, "rows": 0, "train_seconds": 0.0, "config": asdict(cfg)}
@@ -274,8 +302,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
                 break
             step = state["step"]
             for g in opt.param_groups:
-                g["lr"] = (lr_at(step, cfg) if g.get("role") != "gate"
-                           else cfg.copy_gate_lr * min(1.0, (step + 1) / max(1, cfg.warmup)))
+                g["lr"] = group_lr(g.get("role"), step, cfg)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss, correct, counted, rows = objective.step(state, rank, world)
