@@ -49,7 +49,7 @@ class TrainConfig:
     #                        (`decode_block_size`; 0 = none: decoders use block_size)
     copy_gate: bool = False  # a learned bonus on prompt lookup's candidate (`copy_gate.py`; cache source)
     layer_mix: bool = False  # each draft layer mixes the fused inputs with its own learned weights (a departure from
-    #                          the public layout: `DFlashConfig.layer_mix`; pays with 2+ draft layers)
+    #                          the public layout: `DFlashConfig.layer_mix`; matters with 2+ draft layers only)
     # ---------------------------------------------------------------------------------------- what a step sees
     train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
     #                        step into the first positions, which decide acceptance most (cache source)
