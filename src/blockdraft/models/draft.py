@@ -28,6 +28,7 @@ from .draft_config import DFlashConfig
 from .draft_files import WEIGHTS_NAME, load_checked, read_draft_dir, write_draft_dir
 from .draft_layers import Layer, RMSNorm, apply_rope, rope_cos_sin
 
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -179,9 +180,9 @@ class DFlashDraftModel(nn.Module):
             return self
         cfg = replace(self.config, layer_mix=True, extra=dict(self.config.extra))
         new = type(self)(cfg).to(self.fc.weight.dtype)
-        new.load_state_dict({**self.state_dict(), "mix": new.mix.detach().clone()})
-        if new.copy_gate is not None:
+        if new.copy_gate is not None:  # fp32 before loading, so that the gate's values are not rounded on the way
             new.copy_gate.float()
+        new.load_state_dict({**self.state_dict(), "mix": new.mix.detach().clone()})
         return new.train(self.training)
 
     @torch.no_grad()
