@@ -244,7 +244,8 @@ def packaged_models_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
 
 
-DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-dflash"}
+DEFAULT_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-dflash", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-dflash",
+                  "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-dflash"}
 # a packaged target's smaller sibling of the same family and vocabulary: the draft model of classic speculative
 # decoding (llama.cpp's `-md`), the reference a user of that target can pick today
 FAMILY_DRAFT_MODELS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
