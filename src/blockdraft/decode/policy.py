@@ -4,7 +4,7 @@ Speculative decoding is lossless whatever is drafted (verification decides what 
 only trade speed: a drafted token costs verify width and draft time, and pays only when it is accepted. Each
 decision compares expected committed tokens per second, using
 - the target's verify cost per width (`calibrate.VerifyCost`, measured once per machine and cached),
-- draft times measured as decoding runs (`RunningMean`),
+- draft times measured as decoding runs (`CallTime`: the uncontended time, as the calibration's verify costs are),
 - acceptance measured as decoding runs (`Acceptance`, or a row's running gain).
 
 A policy that stops drafting would never measure again, so each one drafts anyway after a run of skipped steps
@@ -23,6 +23,7 @@ Policies:
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 EXPLORE_ROW = 8  # per row: after this many steps without drafting, one step drafts to measure again
@@ -31,24 +32,48 @@ EXPLORE_BACKOFF = 16  # explorations the policy does not follow stretch its inte
 SMOOTHING = 0.2  # weight of the newest sample in every running mean
 GAIN_PRIOR = 1.0  # tokens a drafted step commits beyond the verified one, before a row has measured its own
 POOL_TRIALS = 8.0  # a new row's acceptance starts from the engine's pooled one, weighted as this many trials
+CALL_WINDOW = 16  # recent draft calls a draft's price is read from
 
 
 class RunningMean:
-    """An exponential running mean: None until the first sample, then mean <- (1 - a) mean + a x. With
-    `provisional`, the first sample stands only until the second replaces it (a first call that pays one-time
-    costs, allocations and the first touch of the weights, would otherwise weigh on the mean for dozens of steps)."""
+    """An exponential running mean: None until the first sample, then mean <- (1 - a) mean + a x."""
 
-    __slots__ = ("value", "provisional")
+    __slots__ = ("value",)
 
-    def __init__(self, value: float | None = None, provisional: bool = False) -> None:
-        self.value, self.provisional = value, provisional
+    def __init__(self, value: float | None = None) -> None:
+        self.value = value
 
     def update(self, x: float) -> float:
-        if self.value is None or self.provisional:
-            self.provisional = self.provisional and self.value is None
-            self.value = x
-        else:
-            self.value = (1.0 - SMOOTHING) * self.value + SMOOTHING * x
+        self.value = x if self.value is None else (1.0 - SMOOTHING) * self.value + SMOOTHING * x
+        return self.value
+
+
+class CallTime:
+    """What a draft call costs, as the policies price it: the lower quartile of the last CALL_WINDOW calls after
+    the first (None until then: the first call pays one-time costs, allocations and the first touch of the
+    weights, and a policy that believed it would stop drafting). The verify costs it is weighed against are
+    minimums over repetitions (`calibrate`), so the draft's price must be its uncontended time too. A running mean
+    would let a few calls slowed by another process stand for the draft's cost, and a policy that then stops
+    drafting measures it again only at its ever rarer explorations: on a 2-core machine shared with another job,
+    a 1.5B target's draft calls of ~2 ms came interleaved with ones of 50-70 ms and its adaptive width stopped
+    drafting on code. A lasting change of cost moves the price within a window's worth of calls."""
+
+    __slots__ = ("_recent", "_calls")
+
+    def __init__(self) -> None:
+        self._recent: deque[float] = deque(maxlen=CALL_WINDOW)
+        self._calls = 0
+
+    @property
+    def value(self) -> float | None:
+        if not self._recent:
+            return None
+        return sorted(self._recent)[(len(self._recent) - 1) // 4]
+
+    def update(self, seconds: float) -> float | None:
+        self._calls += 1
+        if self._calls > 1:
+            self._recent.append(seconds)
         return self.value
 
 
@@ -123,12 +148,11 @@ class Acceptance:
 
 class SharedMeasures:
     """What the width policies of one engine's rows share: acceptance pooled per (positions, greedy or sampled), so
-    that one row's early luck does not decide its width, and the draft call's running time (its first, cold call
-    replaced by the second: allocations and the first touch of the weights are paid once per engine)."""
+    that one row's early luck does not decide its width, and the draft call's price (`CallTime`)."""
 
     def __init__(self) -> None:
         self.pools: dict[tuple[int, bool], Acceptance] = {}
-        self.draft_seconds = RunningMean(provisional=True)
+        self.draft_seconds = CallTime()
 
     def pool(self, positions: int, greedy: bool) -> Acceptance:
         return self.pools.setdefault((positions, greedy), Acceptance(positions))
@@ -141,12 +165,12 @@ class WidthPolicy:
     `Acceptance.upper`)."""
 
     def __init__(self, block_size: int, verify_cost=None, pool: Acceptance | None = None,
-                 draft_seconds: RunningMean | None = None) -> None:
+                 draft_seconds: CallTime | None = None) -> None:
         """pool: the engine's pooled acceptance for chains of this block size (`Acceptance`), None: this row's own;
-        draft_seconds: the engine's running draft-call time, shared by its rows (None: this row's own)."""
+        draft_seconds: the engine's draft-call price, shared by its rows (None: this row's own)."""
         self.verify_cost = verify_cost
         self.acceptance = Acceptance(max(0, block_size - 1), pool)
-        self.draft_seconds = draft_seconds if draft_seconds is not None else RunningMean()  # one draft call
+        self.draft_seconds = draft_seconds if draft_seconds is not None else CallTime()  # one draft call
         self.explorer = Explorer(EXPLORE_ROW)
         self.widths: list[int] = []  # tokens drafted per step
         self._exploring = False  # the last `choose` explored
@@ -211,7 +235,7 @@ class BatchPolicy:
 
     def __init__(self, verify_cost=None, draft_max_batch: int | None = None) -> None:
         self.verify_cost, self.draft_max_batch = verify_cost, draft_max_batch
-        self.draft_row_seconds = RunningMean()
+        self.draft_row_seconds = CallTime()
         self.explorer = Explorer(EXPLORE_BATCH)
 
     def drafts(self, rows: list[tuple[float | None, int]]) -> bool:

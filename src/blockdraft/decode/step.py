@@ -74,7 +74,7 @@ def propose(cls: type, rows: list[Sequence], widths: list[int], vocab_size: int)
     for row, tree, g in zip(rows, trees, widths):
         plans.append(plan_of(row, tree, g, vocab_size))
         row.stats.draft_seconds += dt + (t1 - t0)  # the stats count all of the draft's time
-        if tree.num_nodes > 1:  # one sample per running mean: the rows of an engine share theirs
+        if tree.num_nodes > 1:  # one sample per call price: the rows of an engine share theirs
             timed[id(row.width.draft_seconds)] = row.width
     for width in timed.values():
         width.drafted(dt)

@@ -47,7 +47,7 @@ import torch
 
 from ...config import SamplingParams
 from ..tree import Tree, build_tree
-from ..policy import EXPLORE_ROW, Explorer, RunningMean, TreeStepCosts, lookup_draft_pays
+from ..policy import EXPLORE_ROW, CallTime, Explorer, RunningMean, TreeStepCosts, lookup_draft_pays
 from . import Proposer
 from .dflash import DFlashProposer
 from ...models.ngram import find_continuations
@@ -83,7 +83,7 @@ class TreeProposer(Proposer):
         self.lookup_branches, self.max_ngram, self.min_ngram = lookup_branches, max_ngram, min_ngram
         self.block_size = max(self.draft_depth, self.lookup_depth) + 1  # the engine's depth limit is block_size - 1
         self.max_nodes = 1 + (budget if budget is not None else max_budget)
-        self._draft_s = RunningMean()  # the draft forward's time, for the budget choice
+        self._draft_s = CallTime()  # the draft forward's price, for the budget choice
         self._cost_base: dict[tuple[bool, int], list[float]] = {}  # verify times per node count (`_costs`)
         self._lookups: list[list[int]] = []
         self._ngrams: list[int] = []  # the matched n-gram length of each lookup branch
@@ -94,7 +94,7 @@ class TreeProposer(Proposer):
         """Another sequence's tree proposer: the same settings and draft weights, its own rates and draft state."""
         other = copy.copy(self)
         other.draft = self.draft.fork() if self.draft is not None else None
-        other._draft_s, other._lookups, other._ngrams = RunningMean(), [], []
+        other._draft_s, other._lookups, other._ngrams = CallTime(), [], []
         other._reset_rates()
         return other
 
