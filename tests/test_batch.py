@@ -58,6 +58,12 @@ def _setup(target: TargetModel, kind: str, prompts):
     """-> (make_solo_proposer, batched engine kwargs) for a proposer kind."""
     if kind == "ar":
         return (lambda: None), {}
+    if kind == "selector":  # rows chosen in order by a chain selector (random weights, so it changes choices)
+        draft = tiny_draft(target, block_size=8).with_selector(6, 5).eval()
+        with torch.no_grad():
+            draft.selector.w_out.weight.normal_(0, 4.0, generator=torch.Generator().manual_seed(3))
+        return (lambda: DFlashProposer(draft, target, block_size=5)), {"proposer": DFlashProposer(draft, target,
+                                                                                                   block_size=5)}
     if kind.startswith("dflash"):
         draft = tiny_draft(target, block_size=16)
         bs = int(kind[len("dflash"):])
@@ -91,7 +97,7 @@ def _assert_same(batched, solo, stats=True):
             assert b.stats.new_tokens == s.stats.new_tokens and b.stats.prompt_tokens == s.stats.prompt_tokens
 
 
-@pytest.mark.parametrize("kind", ["ar", "dflash4", "dflash16", "pld", "oracle", "tree"])
+@pytest.mark.parametrize("kind", ["ar", "dflash4", "dflash16", "selector", "pld", "oracle", "tree"])
 def test_batched_greedy_equals_solo(target: TargetModel, kind: str):
     prompts = _prompts()
     requests = [(p, GenerationConfig(max_new_tokens=m, ignore_eos=True)) for p, m in zip(prompts, MAX_NEW)]
@@ -325,17 +331,24 @@ def test_a_stream_abandoned_midway_leaves_the_engine_usable(llama_target):
     assert eng.generate(p, cfg).token_ids == naive_greedy(llama_target, p, 12)
 
 
-def test_sampling_inside_a_batch_keeps_the_target_distribution():
-    """Many seeded rows decoded together with an untrained draft (rejection sampling at the second token): the
-    joint distribution of the first two new tokens against the target's own, by a chi-square test. top_k = 3 leaves
-    9 cells (df = 8); threshold 31.8 is the 0.9999 quantile of chi2(8): with a random seed the false-failure rate
-    would be 1e-4; the seeds are fixed, so the test is deterministic."""
+@pytest.mark.parametrize("selector", [False, True])
+def test_sampling_inside_a_batch_keeps_the_target_distribution(selector):
+    """Many seeded rows decoded together with an untrained draft (rejection sampling at the second token), alone or
+    with a chain selector of random weights (its rows drawn from its own distribution): the joint distribution of
+    the first two new tokens against the target's own, by a chi-square test. top_k = 3 leaves 9 cells (df = 8);
+    threshold 31.8 is the 0.9999 quantile of chi2(8): with a random seed the false-failure rate would be 1e-4; the
+    seeds are fixed, so the test is deterministic."""
     target = TargetModel(tiny_llama(layers=3, init=0.1), ToyTokenizer())
+    draft = tiny_draft(target, block_size=4)
+    if selector:
+        draft = draft.with_selector(6, 5).eval()
+        with torch.no_grad():
+            draft.selector.w_out.weight.normal_(0, 4.0, generator=torch.Generator().manual_seed(3))
     prompt = torch.tensor([4, 8, 15, 16, 23])
     smp = lambda s: SamplingParams(temperature=1.0, top_k=3, seed=s)  # noqa: E731
     cfg = GenerationConfig(max_new_tokens=3, ignore_eos=True)  # the prefill's token, then one drafted position
     n = 600
-    eng = Engine(target, DFlashProposer(tiny_draft(target, block_size=4), target), max_batch=64)
+    eng = Engine(target, DFlashProposer(draft, target), max_batch=64)
     out = eng.run([(prompt, cfg, smp(s)) for s in range(n)])
     assert eng.batched_forwards > 0
     from blockdraft.decode.sampling import logits_to_probs

@@ -98,7 +98,8 @@ def test_train_checkpoints_on_sigterm_and_resumes(tiny_dir, tmp_path):
 def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
     """The README's training commands as a new user runs them, at the smallest size: prompts and the target's own
     answers (a held-out split even from a dozen prompts per source), the teacher caches of both splits, a short
-    `train --cache` run (its learning curve on the held-out cache), then decoding with the new draft."""
+    `train --cache` run (its learning curve on the held-out cache), decoding with the new draft, a chain selector
+    fitted to it."""
     regen, cache, run_dir = tmp_path / "regen", tmp_path / "cache", tmp_path / "run"
     run("data", "--target", tiny_dir, "--out", regen, "--n-sharegpt", "12", "--n-gsm", "12", "--max-new-tokens", "8",
         "--batch-size", "8", "--dtype", "fp32", "--threads", "1")
@@ -122,6 +123,15 @@ def test_training_quickstart_end_to_end_at_a_small_size(tiny_dir, tmp_path):
     plain = json.loads(run("generate", "--target", tiny_dir, "--draft", "none", "--dtype", "fp32",
                            "--max-new-tokens", "12", "--json", "Hello there").stdout)
     assert gen["text"] == plain["text"]  # lossless with the new draft
+    # a chain selector fitted to it: the draft with its selector decodes to the same text
+    out = run("train-selector", "--target", tiny_dir, "--draft", run_dir / "draft", "--cache", cache / "train",
+              "--heldout-cache", cache / "heldout", "--out", tmp_path / "sel", "--rank", "8", "--top-k", "8",
+              "--anchors", "4", "--epochs", "1", "--threads", "1")
+    fit = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fit["rows"] > 0 and fit["selector"]["tau"] >= 1.0
+    gen = json.loads(run("generate", "--target", tiny_dir, "--draft", tmp_path / "sel" / "draft", "--dtype", "fp32",
+                         "--max-new-tokens", "12", "--json", "Hello there").stdout)
+    assert gen["text"] == plain["text"]
     # the ship criterion: held-out tau of the new draft beside another one, in one run
     run("init-draft", "--target", tiny_dir, "--layers", "1", "--block-size", "4", "--out", tmp_path / "untrained")
     out = run("heldout-tau", "--target", tiny_dir, "--draft", f"new={run_dir / 'draft'}",

@@ -1,5 +1,5 @@
-"""The training-side subcommands: init-draft, data, wide-prompts, pack, features, train, teacher-cache, export and
-heldout-tau. Each maps its options onto the library's config and prints what the library returns."""
+"""The training-side subcommands: init-draft, data, wide-prompts, pack, features, train, teacher-cache, train-selector,
+export and heldout-tau. Each maps its options onto the library's config and prints what the library returns."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..train.data import run_regeneration
 from ..train.features import FeaturesConfig, write_features
 from ..train.init_draft import InitDraftConfig, init_draft
 from ..train.records import pack_uint16, read_shards
+from ..train.selector import SelectorConfig, train_selector
 from ..train.teacher import FEATS, TeacherCacheConfig, run_teacher_cache
 from ..train.trainer import train
 from ..train.wide_prompts import WidePromptsConfig, write_wide_prompts
@@ -105,6 +106,15 @@ def cmd_teacher_cache(args) -> int:
         data=args.data, out=args.out, target=args.target, layer_ids=_layer_ids(args.layer_ids), topk=args.topk,
         max_len=args.max_len, limit=args.limit, offset=args.offset, threads=args.threads, dtype=args.dtype,
         feats=args.feats, weights=args.weights))))
+    return 0
+
+
+def cmd_train_selector(args) -> int:
+    """Fit a chain selector to a trained draft (train/selector.py)."""
+    print(json.dumps(train_selector(SelectorConfig(
+        draft=args.draft, cache=args.cache, heldout_cache=args.heldout_cache, out_dir=args.out, target=args.target,
+        rank=args.rank, top_k=args.top_k, block=args.block, anchors=args.anchors, max_len=args.max_len,
+        limit=args.limit, epochs=args.epochs, lr=args.lr, threads=args.threads))))
     return 0
 
 
@@ -224,6 +234,25 @@ def register(sub) -> None:
                          "quantized blocks on the native kernels): the features `data --record-layers` records, "
                          "bit for bit, and the faster prefill on a CPU")
     tc.set_defaults(func=cmd_teacher_cache)
+
+    sl = sub.add_parser("train-selector", help="fit a chain selector (the block's rows chosen in order among the "
+                                               "draft's top-k) to a trained draft, which stays frozen (resumable)")
+    add_target(sl)
+    sl.add_argument("--draft", required=True, help="the trained draft's directory")
+    sl.add_argument("--cache", required=True, help="teacher caches, comma-separated (as train --cache)")
+    sl.add_argument("--heldout-cache", required=True)
+    sl.add_argument("--out", required=True, help="run directory; the draft with its selector goes to OUT/draft")
+    sl.add_argument("--rank", type=int, default=256, help="the selector MLP's width")
+    sl.add_argument("--top-k", type=int, default=16, help="candidates per row")
+    sl.add_argument("--block", type=int, default=None, help="rows per block (default: the draft's decode block)")
+    sl.add_argument("--anchors", type=int, default=64, help="anchors per training sequence")
+    sl.add_argument("--max-len", type=int, default=640)
+    sl.add_argument("--limit", type=int, default=0, help="training sequences (0: all)")
+    sl.add_argument("--epochs", type=int, default=2,
+                    help="passes over the rows (more overfit a few thousand answers' rows)")
+    sl.add_argument("--lr", type=float, default=2e-3)
+    sl.add_argument("--threads", type=int, default=None)
+    sl.set_defaults(func=cmd_train_selector)
 
     _register_heldout(sub)
 

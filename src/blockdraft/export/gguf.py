@@ -35,6 +35,7 @@ import torch
 from ..config import cache_dir
 from ..models.loading import materialize, resolve_target
 from ..models.copy_gate import GATE_WEIGHTS_NAME
+from ..models.selector import SELECTOR_WEIGHTS_NAME
 from ..models.draft import check_compatible
 from ..models.draft_files import read_draft_dir
 from ..models.draft_config import DFlashConfig
@@ -230,6 +231,9 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, target_dir
         log.warning("%s has a copy gate (%s): blockdraft's own extension, which llama.cpp does not compute; the "
                     "exported draft proposes without it (fewer accepted tokens where prompt lookup would copy)",
                     draft_dir, GATE_WEIGHTS_NAME)
+    if cfg.selector_rank:  # likewise: llama.cpp takes the draft's own best column at each row
+        log.warning("%s has a chain selector (%s): blockdraft's own extension, which llama.cpp does not compute; "
+                    "the exported draft proposes each row's own best token", draft_dir, SELECTOR_WEIGHTS_NAME)
     if cfg.hidden_act != "silu":
         raise ValueError(f"llama.cpp's DFlash graph runs silu (or gelu) MLPs; this draft has {cfg.hidden_act!r}")
     if not (target_dir / "config.json").is_file():

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .copy_gate import GATE_WEIGHTS_NAME, CopyGate
+from .selector import SELECTOR_WEIGHTS_NAME, ChainSelector
 from .draft_config import DFlashConfig
 from .draft_files import WEIGHTS_NAME, load_checked, read_draft_dir, write_draft_dir
 from .draft_layers import Layer, RMSNorm, apply_rope, rope_cos_sin
@@ -45,6 +46,10 @@ class DFlashDraftModel(nn.Module):
         # blockdraft's extension (off by default): layer l weighs fused input k by mix[l, k] (`DFlashConfig.layer_mix`)
         self.mix = nn.Parameter(torch.ones(cfg.num_hidden_layers, cfg.num_fused_inputs)) if cfg.layer_mix else None
         self.reset_parameters()
+        # blockdraft's extension (off by default): the block's rows chosen in order among the top-k (selector.py);
+        # built after the draft's own initialisation, which would otherwise redraw its weights
+        self.selector = (ChainSelector(cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k)
+                         if cfg.selector_rank else None)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         init_draft_weights(self, std)
@@ -208,6 +213,28 @@ class DFlashDraftModel(nn.Module):
         new.load_state_dict({k: v for k, v in self.state_dict().items() if not k.startswith("copy_gate.")})
         return new.train(self.training)
 
+    @torch.no_grad()
+    def with_selector(self, rank: int, top_k: int = 16) -> "DFlashDraftModel":
+        """A copy with a fresh chain selector (`selector.py`), which proposes (greedy) what this draft proposes until
+        training moves it; rank 0: without one (a selector fits one draft's outputs: a draft trained on needs a new
+        one)."""
+        cfg = replace(self.config, selector_rank=rank, selector_top_k=top_k, extra=dict(self.config.extra))
+        new = type(self)(cfg).to(self.fc.weight.dtype)
+        new._keep_extensions_fp32()
+        own = {k: v for k, v in self.state_dict().items() if not k.startswith("selector.")}
+        fresh = {f"selector.{k}": v for k, v in new.selector.state_dict().items()} if rank else {}
+        new.load_state_dict({**own, **fresh})
+        return new.train(self.training)
+
+    def without_selector(self) -> "DFlashDraftModel":
+        return self if self.selector is None else self.with_selector(0)
+
+    def _keep_extensions_fp32(self) -> None:
+        # the copy gate's bonuses and the selector's scores sit at logit scale: fp32 whatever the draft's dtype
+        for m in (self.copy_gate, self.selector):
+            if m is not None:
+                m.float()
+
     def next_token_input(self, embeds: torch.Tensor) -> torch.Tensor:
         """The fusion's next-token input from the target's embeddings of those tokens (training and decoding both
         build it here, so they cannot disagree on the scale)."""
@@ -306,36 +333,41 @@ class DFlashDraftModel(nn.Module):
     # ----------------------------------------------------------------------------------------- save / load
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write config.json + model.safetensors in the public DFlash layout (no embedding, no LM head); a copy gate
-        goes to its own file (fp32: a few thousand numbers, and its bonuses are compared at logit scale)."""
+        and a chain selector go to files of their own (fp32: small, and their values are compared at logit scale)."""
         state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)) for k, v in self.state_dict().items()
-                 if not k.startswith("copy_gate.")}
+                 if not k.startswith(("copy_gate.", "selector."))}
         write_draft_dir(out_dir, state, self.config.to_hf_dict())
-        gate_path = Path(out_dir) / GATE_WEIGHTS_NAME
-        if self.copy_gate is not None:
-            from safetensors.torch import save_file
+        for module, name in ((self.copy_gate, GATE_WEIGHTS_NAME), (self.selector, SELECTOR_WEIGHTS_NAME)):
+            path = Path(out_dir) / name
+            if module is not None:
+                from safetensors.torch import save_file
 
-            tmp = gate_path.with_suffix(".tmp")
-            save_file({k: v.detach().float().contiguous() for k, v in self.copy_gate.state_dict().items()}, str(tmp))
-            tmp.replace(gate_path)
-        elif gate_path.exists():  # a stale gate from an earlier save into the same directory
-            gate_path.unlink()
+                tmp = path.with_suffix(".tmp")
+                save_file({k: v.detach().float().contiguous() for k, v in module.state_dict().items()}, str(tmp))
+                tmp.replace(path)
+            elif path.exists():  # a stale file from an earlier save into the same directory
+                path.unlink()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> "DFlashDraftModel":
         d, state = read_draft_dir(path)
         model = cls(DFlashConfig.from_hf_dict(d))
-        if model.copy_gate is not None:
-            gate_path = Path(path) / GATE_WEIGHTS_NAME
-            if not gate_path.is_file():
-                raise FileNotFoundError(f"{path} declares a copy gate (blockdraft.models.copy_gate) but has no "
-                                        f"{GATE_WEIGHTS_NAME}")
-            _, gate = read_draft_dir(path, weights=GATE_WEIGHTS_NAME)
-            state = {**state, **{f"copy_gate.{k}": v for k, v in gate.items()}}
+        own = {}  # the extensions' weights, from their own files
+        for module, prefix, name, what in ((model.copy_gate, "copy_gate", GATE_WEIGHTS_NAME, "a copy gate"),
+                                           (model.selector, "selector", SELECTOR_WEIGHTS_NAME, "a chain selector")):
+            if module is None:
+                continue
+            if not (Path(path) / name).is_file():
+                raise FileNotFoundError(f"{path} declares {what} (blockdraft.models.{prefix}) but has "
+                                        f"no {name}")
+            _, own[prefix] = read_draft_dir(path, weights=name)
+            state = {**state, **{f"{prefix}.{k}": v for k, v in own[prefix].items()}}
         load_checked(model, state, Path(path) / WEIGHTS_NAME)
         model = model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
-        if model.copy_gate is not None:  # fp32 whatever the draft's dtype (its bonuses sit at logit scale)
-            model.copy_gate.float().load_state_dict({k: v.float() for k, v in gate.items()})
+        model._keep_extensions_fp32()
+        for prefix, weights in own.items():  # loaded again in fp32: the cast above may have rounded them
+            getattr(model, prefix).load_state_dict({k: v.float() for k, v in weights.items()})
         if "d2t" in state:  # .to(dtype) leaves integer buffers alone, but be explicit about the mapping's type
             model.d2t = model.d2t.long()
         return model.eval()

@@ -109,9 +109,17 @@ class DFlashConfig(DraftShape):
     # layer attends to the same context, which is what stops a deeper draft from gaining (DFlare, arXiv 2606.02091);
     # the mix costs no more than one fusion. With one draft layer it adds nothing the fusion cannot learn.
     layer_mix: bool = False
+    # blockdraft's chain selector (`selector.py`, off when 0): the block's rows chosen left to right among the
+    # draft's `selector_top_k` best columns by an MLP of this width that reads the token chosen for the row before.
+    # Its weights live in their own file, like the copy gate's.
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.selector_rank < 0 or self.selector_top_k < 1:
+            raise ValueError(f"selector_rank must be >= 0 and selector_top_k >= 1 (got {self.selector_rank}, "
+                             f"{self.selector_top_k})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
         if self.block_size < 2:
@@ -182,6 +190,8 @@ class DFlashConfig(DraftShape):
             d["copy_gate"] = True
         if self.layer_mix:
             d["layer_mix"] = True
+        if self.selector_rank:
+            d.update(selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         return d
 
     @classmethod
@@ -200,6 +210,8 @@ class DFlashConfig(DraftShape):
         next_scale = float(extra.pop("next_token_scale", 1.0))
         copy_gate = bool(extra.pop("copy_gate", False))
         layer_mix = bool(extra.pop("layer_mix", False))
+        selector_rank = int(extra.pop("selector_rank", 0))
+        selector_top_k = int(extra.pop("selector_top_k", 16))
         decode_block = extra.pop("decode_block_size", None)
         no_features = bool(extra.pop("no_target_features", False))
         return cls(
@@ -214,5 +226,6 @@ class DFlashConfig(DraftShape):
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             hidden_act=d.get("hidden_act", "silu"), extra=extra, draft_vocab_size=d.get("draft_vocab_size"),
             next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate, layer_mix=layer_mix,
+            selector_rank=selector_rank, selector_top_k=selector_top_k,
             decode_block_size=int(decode_block) if decode_block else None, no_target_features=no_features,
         )

@@ -96,6 +96,10 @@ def make_draft(cfg: TrainConfig, target, frequent: Callable[[int], torch.Tensor]
     if cfg.init not in INITS:
         draft = DFlashDraftModel.from_pretrained(cfg.init, dtype=torch.float32)
         check_compatible(draft.config, target)
+        if draft.selector is not None:
+            log.info("%s's chain selector is dropped: it was fitted to the draft as it is (`blockdraft "
+                     "train-selector` fits one to the continued draft)", cfg.init)
+            draft = draft.without_selector()
         if draft.config.target_layer_ids != list(cfg.layer_ids):
             if any(i not in cfg.layer_ids for i in draft.config.target_layer_ids):
                 raise ValueError(f"{cfg.init} reads layers {draft.config.target_layer_ids}, the run asks for "

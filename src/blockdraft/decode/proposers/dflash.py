@@ -18,6 +18,7 @@ from ...models.target import TargetModel
 from . import Proposer
 from ..tree import Tree
 from ...models.ngram import lookup_continuation
+from ...models.selector import ChainView, choose_chain
 
 
 class DFlashProposer(Proposer):
@@ -56,6 +57,8 @@ class DFlashProposer(Proposer):
         self._pending: list[torch.Tensor] = []
         # A draft with a copy gate (copy_gate.py) also scores prompt lookup's continuation of the committed tokens.
         self.gate = draft.copy_gate
+        # A draft with a chain selector (selector.py) chooses a one-pass block's rows in order among its top-k.
+        self.selector = ChainView(draft.selector) if draft.selector is not None else None
         self._vocab_map = None
         if self.gate is not None and self.vocab_ids is not None:
             self._vocab_map = torch.full((target.vocab_size,), -1, dtype=torch.long, device=target.device)
@@ -66,7 +69,7 @@ class DFlashProposer(Proposer):
         the context cache and acceptance rates are its own."""
         other = type(self)(self.draft, self.target, self.block_size, self.denoise_steps,
                            lean=self.lean if self.lean is not None else False)
-        other._head = self._head
+        other._head, other.selector = self._head, self.selector
         return other
 
     def _append_context(self, features: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
@@ -204,6 +207,10 @@ class DFlashProposer(Proposer):
         q = None if sampling.greedy else torch.zeros(g, self.target.vocab_size, device=tokens.device)
         fixed = torch.zeros(g, dtype=torch.bool, device=tokens.device)
         steps = min(self.denoise_steps, g)
+        if self.selector is not None and steps == 1:
+            hidden = self._hidden(block, tokens.shape[0] - 1)
+            return self._chain(tokens, *self._score(tokens, hidden, self._head_logits(hidden)), hidden, sampling,
+                               generator)
         for s in range(steps):
             scores, to_ids, to_vocab = self._scores(tokens, block)  # [g, Vs]
             if sampling.greedy and steps == 1:
@@ -238,6 +245,24 @@ class DFlashProposer(Proposer):
             fixed[chosen] = True
             block[1:][chosen] = cand[chosen]
         return Tree.chain(tokens[-1], out, q)
+
+    def _chain(self, tokens: torch.Tensor, scores: torch.Tensor, to_ids: Callable, to_vocab: Callable,
+               hidden: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Tree:
+        """A one-pass block's rows chosen in order by the chain selector: scores [g, Vs] and hidden [g, H] from
+        `_score`. Sampling draws row k from the selector's distribution given the rows before it, so the recorded q
+        rows are the conditionals rejection sampling needs."""
+        # over a row's K candidates: temperature, top-k and top-p give the probabilities they give over the full
+        # row with every other column at -inf (those have no mass either way)
+        if sampling.greedy:
+            def pick(k: int, cand: torch.Tensor) -> int:
+                return int(cand.argmax())
+        else:
+            def pick(k: int, cand: torch.Tensor) -> int:
+                return int(sample(logits_to_probs(cand.unsqueeze(0), sampling), generator)[0])
+        cols, chain_scores = choose_chain(self.selector, scores, hidden, int(tokens[-1]), to_ids, self.target.embed,
+                                          self.target.lm_head.weight, pick)
+        q = None if sampling.greedy else to_vocab(logits_to_probs(chain_scores, sampling))
+        return Tree.chain(tokens[-1], to_ids(cols), q)
 
     def _open(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
         """Start a proposal of g = min(num_draft, block_size - 1) tokens after tokens [n]: bring the draft's context
@@ -303,7 +328,9 @@ class DFlashProposer(Proposer):
                 p, g, smp = proposers[i], blocks[i].shape[0] - 1, samplings[i]
                 scores, to_ids, to_vocab = p._score(tokens[i], hidden[o:o + g], logits[o:o + g])
                 o += g
-                if smp.greedy:
+                if p.selector is not None:
+                    out[i] = p._chain(tokens[i], scores, to_ids, to_vocab, hidden[o - g:o], smp, generators[i])
+                elif smp.greedy:
                     out[i] = Tree.chain(tokens[i][-1], to_ids(scores.argmax(-1)))
                 else:
                     probs = logits_to_probs(scores, smp)
