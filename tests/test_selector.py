@@ -80,7 +80,8 @@ def test_a_fresh_selector_proposes_what_the_draft_proposes(llama_target, vocab):
         with seeded(5):
             draft = DFlashDraftModel(replace(draft.config, draft_vocab_size=33)).eval()
         draft.set_draft_vocab(torch.arange(0, 99, 3))
-    fresh = draft.with_selector(6, 5).eval()
+    with seeded(6):
+        fresh = draft.with_selector(6, 5).eval()
     prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7])
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     a = Engine(llama_target, DFlashProposer(draft, llama_target, block_size=5)).generate(prompt, cfg)
