@@ -15,7 +15,9 @@ from blockdraft.config import GenerationConfig, SamplingParams
 from blockdraft.decode.engine import Engine
 from blockdraft.decode.proposers.dflash import DFlashProposer
 from blockdraft.models.draft import DFlashDraftModel
-from blockdraft.models.selector import SELECTOR_WEIGHTS_NAME, ChainSelector, ChainView, choose_chain
+from blockdraft.models import quant, selector as selector_mod
+from blockdraft.models.selector import (SELECTOR_WEIGHTS_NAME, ChainSelector, ChainView, choose_chain,
+                                       choose_chain_greedy)
 from blockdraft.models.target import TargetModel
 from blockdraft.train.selector import SelectorConfig, train_selector
 from blockdraft.train.teacher import build_teacher_cache
@@ -70,6 +72,59 @@ def test_choose_chain_equals_a_naive_loop():
             assert float(out[k, c]) == pytest.approx(v, rel=1e-5, abs=1e-5)
         assert int(torch.isfinite(out[k]).sum()) == K
         prev = int(col_ids[k, chosen[k]])
+
+
+needs_kernels = pytest.mark.skipif(quant.kernel_status() is not None,
+                                   reason=f"no quantized kernels: {quant.kernel_status()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_greedy_chain_equals_the_torch_chain(dtype):
+    """One native call (csrc/chain.h) chooses what the torch chain chooses and scores the candidates alike (fp32
+    sums in another order: 1e-5), over blocks whose anchors and choices repeat tokens, so its store of token parts
+    is read as well as filled; the inputs in float32 or bf16 as targets hold them."""
+    kernels = quant.quant_kernels()
+    g = torch.Generator().manual_seed(11)
+    V, H, G, Vs, K, R = 53, 37, 3, 29, 5, 11  # odd sizes: every vector loop has a tail
+    emb, head = torch.randn(V, H, generator=g).to(dtype), torch.randn(V, H, generator=g).to(dtype)
+    col_ids = torch.randint(0, V, (G, Vs), generator=g)
+    view = ChainView(_active(ChainSelector(H, R, K), seed=2, scale=1.0))
+
+    def to_ids(cols):
+        return col_ids.gather(1, cols.reshape(G, -1)).reshape(cols.shape)
+
+    with torch.no_grad():
+        for block in range(12):
+            scores, hidden = torch.randn(G, Vs, generator=g), torch.randn(G, H, generator=g).to(dtype)
+            anchor = int(col_ids[0, block % 4])
+            want, want_scores = choose_chain(view, scores, hidden, anchor, to_ids, lambda i: emb[i], head,
+                                             lambda k, cand: int(cand.argmax()))
+            top_s, top_c = scores.topk(K, dim=-1)
+            chosen, cand = view.native_chain(kernels, top_s, to_ids(top_c), hidden, anchor, emb, head)
+            assert torch.equal(top_c.gather(1, chosen.unsqueeze(1)).squeeze(1), want)
+            torch.testing.assert_close(cand, want_scores.gather(1, top_c), rtol=1e-5, atol=1e-5)
+            assert torch.equal(choose_chain_greedy(view, scores, hidden, anchor, to_ids, lambda i: emb[i], head,
+                                                   emb), want)
+    with pytest.raises(RuntimeError, match="out of range"):  # a bad id is an error, not a read past the table
+        view.native_chain(kernels, top_s, torch.full((G, K), V, dtype=torch.long), hidden, 0, emb, head)
+
+
+@needs_kernels
+def test_decoding_chains_natively_proposes_what_the_torch_chain_proposes(llama_target, monkeypatch):
+    """The proposer's greedy chain goes native when the kernels are loaded and the target's embedding is a plain
+    lookup; with the kernels hidden from it, the torch chain proposes the same blocks."""
+    quant.quant_kernels()
+    draft = _selector_draft(llama_target, scale=8.0)
+    seq = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = ChainView.native_chain
+    monkeypatch.setattr(ChainView, "native_chain", lambda self, *a: calls.append(1) or real(self, *a))
+    native = [_first_proposal(draft, llama_target, seq[:n], True) for n in range(14, 40, 5)]
+    assert len(calls) == len(native)
+    monkeypatch.setattr(selector_mod, "loaded_kernels", lambda: None)
+    assert [_first_proposal(draft, llama_target, seq[:n], True) for n in range(14, 40, 5)] == native
+    assert len(calls) == len(native)
 
 
 @pytest.mark.parametrize("vocab", [None, "reduced"])

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .quant import loaded_kernels
+
 SELECTOR_WEIGHTS_NAME = "selector.safetensors"
 
 
@@ -89,7 +91,10 @@ class ChainView:
     default target, half the draft's step. (numpy would be cheaper per operation, but its own BLAS threads keep
     spinning after a product and took the cores from the target's verify: 2-3x slower verifies on the 1.5B target.)
     The token half of the input layer is kept per token id once computed (it depends on the token alone). Built once
-    per draft and shared by its proposers; the selector's weights must not change afterwards."""
+    per draft and shared by its proposers; the selector's weights must not change afterwards.
+
+    A greedy chain runs in one native call where it can (`choose_chain_greedy`); that call keeps its token parts in a
+    [V, rank] table of its own, allocated untouched (memory becomes resident only for the tokens met)."""
 
     MAX_TOKENS = 1 << 16  # token parts kept (256-1,536 bytes each); the store starts again when full
 
@@ -101,6 +106,8 @@ class ChainView:
         self.b = selector.w_in.bias.detach().float().clone()
         self.w_out = selector.w_out.weight.detach().float().clone()  # [H, rank]
         self._token: dict[int, torch.Tensor] = {}
+        self._table: torch.Tensor | None = None  # [V, rank] the native chain's token parts, where _have
+        self._have: torch.Tensor | None = None  # [V] uint8
 
     def token_part(self, token: int, embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         part = self._token.get(token)
@@ -113,6 +120,19 @@ class ChainView:
 
     def hidden_part(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.b, _rms(hidden.float()), self.w_h.T)
+
+    def native_chain(self, kernels, top_s: torch.Tensor, top_ids: torch.Tensor, hidden: torch.Tensor, anchor: int,
+                     embed_weight: torch.Tensor, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy chain in one call of the kernels (`csrc/chain.h`): top_s [g, K] fp32 the rows' K best scores,
+        top_ids [g, K] their target ids, hidden [g, H], embed_weight / head_weight [V, H] -> (chosen [g] indices into
+        K, the candidates' scores [g, K])."""
+        v = embed_weight.shape[0]
+        if self._table is None or self._table.shape[0] != v:
+            self._table = torch.empty(v, self.w_e.shape[0], dtype=torch.float32)
+            self._have = torch.zeros(v, dtype=torch.uint8)
+        return kernels.selector_chain(top_s.float().contiguous(), top_ids.contiguous(), hidden.contiguous(),
+                                      int(anchor), self.w_h, self.w_e, self.b, self.w_out, embed_weight,
+                                      head_weight, self._table, self._have)
 
 
 def choose_chain(view: ChainView, scores: torch.Tensor, hidden: torch.Tensor, anchor: int,
@@ -144,3 +164,25 @@ def choose_chain(view: ChainView, scores: torch.Tensor, hidden: torch.Tensor, an
     out = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)
     out.scatter_(1, top_c, torch.stack(cand))
     return top_c.gather(1, idx).squeeze(1), out
+
+
+def _native_ready(hidden: torch.Tensor, embed_weight: torch.Tensor | None, head_weight: torch.Tensor) -> bool:
+    ok = (torch.float32, torch.bfloat16)
+    return (embed_weight is not None and embed_weight.dtype == head_weight.dtype and embed_weight.dtype in ok
+            and hidden.dtype in ok and embed_weight.device.type == head_weight.device.type == hidden.device.type
+            == "cpu" and embed_weight.is_contiguous() and head_weight.is_contiguous())
+
+
+def choose_chain_greedy(view: ChainView, scores: torch.Tensor, hidden: torch.Tensor, anchor: int,
+                        to_ids: Callable[[torch.Tensor], torch.Tensor], embed: Callable[[torch.Tensor], torch.Tensor],
+                        head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`choose_chain` with each row's argmax -> the chosen columns [g]. embed_weight: the [V, H] table `embed` looks
+    its ids up in, when it is a plain lookup (no scale): then, with the kernels loaded, the chain is one native call
+    (`ChainView.native_chain`: the same formula in float32, summed in another order), else the torch chain."""
+    kernels = loaded_kernels()
+    if kernels is None or not _native_ready(hidden, embed_weight, head_weight):
+        return choose_chain(view, scores, hidden, anchor, to_ids, embed, head_weight,
+                            lambda k, cand: int(cand.argmax()))[0]
+    top_s, top_c = scores.topk(min(view.top_k, scores.shape[1]), dim=-1)  # [g, K]
+    chosen, _ = view.native_chain(kernels, top_s, to_ids(top_c), hidden, anchor, embed_weight, head_weight)
+    return top_c.gather(1, chosen.unsqueeze(1)).squeeze(1)

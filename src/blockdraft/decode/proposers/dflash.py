@@ -6,6 +6,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from ...models.cache import KVCache
 from ...config import SamplingParams
@@ -18,7 +19,7 @@ from ...models.target import TargetModel
 from . import Proposer
 from ..tree import Tree
 from ...models.ngram import lookup_continuation
-from ...models.selector import ChainView, choose_chain
+from ...models.selector import ChainView, choose_chain, choose_chain_greedy
 
 
 class DFlashProposer(Proposer):
@@ -251,18 +252,20 @@ class DFlashProposer(Proposer):
         """A one-pass block's rows chosen in order by the chain selector: scores [g, Vs] and hidden [g, H] from
         `_score`. Sampling draws row k from the selector's distribution given the rows before it, so the recorded q
         rows are the conditionals rejection sampling needs."""
+        if sampling.greedy:
+            # a plain embedding lookup lets the chain run natively (a scaled one, Gemma's, embeds in torch)
+            emb = self.target.embed_tokens
+            cols = choose_chain_greedy(self.selector, scores, hidden, int(tokens[-1]), to_ids, self.target.embed,
+                                       self.target.lm_head.weight, emb.weight if type(emb) is nn.Embedding else None)
+            return Tree.chain(tokens[-1], to_ids(cols))
+
         # over a row's K candidates: temperature, top-k and top-p give the probabilities they give over the full
         # row with every other column at -inf (those have no mass either way)
-        if sampling.greedy:
-            def pick(k: int, cand: torch.Tensor) -> int:
-                return int(cand.argmax())
-        else:
-            def pick(k: int, cand: torch.Tensor) -> int:
-                return int(sample(logits_to_probs(cand.unsqueeze(0), sampling), generator)[0])
+        def pick(k: int, cand: torch.Tensor) -> int:
+            return int(sample(logits_to_probs(cand.unsqueeze(0), sampling), generator)[0])
         cols, chain_scores = choose_chain(self.selector, scores, hidden, int(tokens[-1]), to_ids, self.target.embed,
                                           self.target.lm_head.weight, pick)
-        q = None if sampling.greedy else to_vocab(logits_to_probs(chain_scores, sampling))
-        return Tree.chain(tokens[-1], to_ids(cols), q)
+        return Tree.chain(tokens[-1], to_ids(cols), to_vocab(logits_to_probs(chain_scores, sampling)))
 
     def _open(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
         """Start a proposal of g = min(num_draft, block_size - 1) tokens after tokens [n]: bring the draft's context

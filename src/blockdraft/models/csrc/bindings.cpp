@@ -1,5 +1,6 @@
 // The extension module: Python bindings of the quantized linears (qlinear.h), the machine's int8 ceiling, the
-// rows' argmax, and the native layer stacks (decoder.h).
+// rows' argmax, the chain selector's greedy chain (chain.h) and the native layer stacks (decoder.h).
+#include "chain.h"
 #include "decoder.h"
 #include "qlinear.h"
 
@@ -74,6 +75,57 @@ torch::Tensor argmax_rows(const torch::Tensor& xin) {
   });
   std::vector<int64_t> shape(xin.sizes().begin(), xin.sizes().end() - 1);
   return out.view(shape);
+}
+
+// The chain selector's greedy chain of one block (chain.h): (top_s [g, K] float32, top_ids [g, K] int64, hidden
+// [g, H] float32 / bf16, anchor, w_h [R, H], w_e [R, H], b [R], w_out [H, R] float32, embed [V, H], head [V, H]
+// (one dtype, float32 / bf16), table [V, R] float32, have [V] uint8) -> (chosen [g] int64, cand [g, K] float32).
+// table and have are the caller's store of token parts, filled here.
+std::tuple<torch::Tensor, torch::Tensor> selector_chain(const torch::Tensor& top_s, const torch::Tensor& top_ids,
+                                                        const torch::Tensor& hidden, int64_t anchor,
+                                                        const torch::Tensor& w_h, const torch::Tensor& w_e,
+                                                        const torch::Tensor& b, const torch::Tensor& w_out,
+                                                        const torch::Tensor& embed, const torch::Tensor& head,
+                                                        const torch::Tensor& table, const torch::Tensor& have) {
+  for (const auto* t : {&top_s, &top_ids, &hidden, &w_h, &w_e, &b, &w_out, &embed, &head, &table, &have})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "the selector's chain takes contiguous CPU tensors");
+  TORCH_CHECK(top_s.dim() == 2 && top_s.scalar_type() == at::kFloat, "top_s must be float32 [g, K]");
+  TORCH_CHECK(top_ids.sizes() == top_s.sizes() && top_ids.scalar_type() == at::kLong, "top_ids must be int64 [g, K]");
+  const int64_t g = top_s.size(0), k = top_s.size(1), r = w_h.size(0), h = w_h.size(1), v = embed.size(0);
+  TORCH_CHECK(k >= 1, "at least one candidate a row");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == g && hidden.size(1) == h, "hidden must be [g, H]");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16, "hidden: float32 or bf16");
+  for (const auto* t : {&w_h, &w_e, &b, &w_out, &table})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "the selector's weights and token parts are float32");
+  TORCH_CHECK(w_e.sizes() == w_h.sizes() && b.dim() == 1 && b.size(0) == r, "w_e [R, H] and b [R]");
+  TORCH_CHECK(w_out.dim() == 2 && w_out.size(0) == h && w_out.size(1) == r, "w_out must be [H, R]");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == h && head.dim() == 2 && head.size(1) == h,
+              "embed and head must be [V, H]");
+  TORCH_CHECK(embed.scalar_type() == head.scalar_type() &&
+              (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
+              "embed and head: one dtype, float32 or bf16");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == v && table.size(1) == r, "table must be [V, R]");
+  TORCH_CHECK(have.dim() == 1 && have.size(0) == v && have.scalar_type() == at::kByte, "have must be uint8 [V]");
+  const int64_t* ids = top_ids.data_ptr<int64_t>();
+  TORCH_CHECK(anchor >= 0 && anchor < v, "anchor out of the vocabulary");
+  for (int64_t i = 0; i < g * k; ++i) TORCH_CHECK(ids[i] >= 0 && ids[i] < head.size(0) && ids[i] < v, "id out of range");
+  auto chosen = torch::empty({g}, top_ids.options());
+  auto cand = torch::empty({g, k}, top_s.options());
+  const ChainWeights cw{w_h.data_ptr<float>(), w_e.data_ptr<float>(), b.data_ptr<float>(), w_out.data_ptr<float>(),
+                        r, h};
+  {
+    pybind11::gil_scoped_release free;
+    auto run = [&](auto* hid, auto* emb, auto* hd) {
+      chain_greedy(top_s.data_ptr<float>(), ids, hid, g, k, anchor, cw, emb, hd, table.data_ptr<float>(),
+                   have.data_ptr<uint8_t>(), chosen.data_ptr<int64_t>(), cand.data_ptr<float>());
+    };
+    const bool hf = hidden.scalar_type() == at::kFloat, ef = embed.scalar_type() == at::kFloat;
+    if (hf && ef) run(hidden.data_ptr<float>(), embed.data_ptr<float>(), head.data_ptr<float>());
+    else if (hf) run(hidden.data_ptr<float>(), embed.data_ptr<at::BFloat16>(), head.data_ptr<at::BFloat16>());
+    else if (ef) run(hidden.data_ptr<at::BFloat16>(), embed.data_ptr<float>(), head.data_ptr<float>());
+    else run(hidden.data_ptr<at::BFloat16>(), embed.data_ptr<at::BFloat16>(), head.data_ptr<at::BFloat16>());
+  }
+  return {chosen, cand};
 }
 
 // The machine's int8 multiply-add ceiling: every thread runs `iters` rounds of 12 independent multiply-add chains on
@@ -163,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, "use these kernels from now on (both give the same bits; for tests and measurements)");
   m.def("argmax_rows", &argmax_rows, "x [..., V] float32 -> int64 [...]: torch.argmax(x, -1), the same indices",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("selector_chain", &selector_chain, "the chain selector's greedy chain of one block (chain.h)");
   m.def("int8_peak", &int8_peak, "the int8 multiply-add ceiling of this CPU on torch's threads: (isa, rounds per "
         "thread) -> multiply-adds per second", pybind11::arg("isa"), pybind11::arg("iters"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
