@@ -5,6 +5,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from blockdraft.eval import metrics as M
 from blockdraft.cli.bench import config_from_args, register
@@ -213,6 +214,39 @@ def test_weights_modes_run_side_by_side(tmp_path):
         assert by[("dflash", pid)]["token_ids"] == by[("ar", pid)]["token_ids"]
     with pytest.raises(ValueError, match="--weights"):
         BenchConfig(weights=("int3",)).resolved()
+
+
+def test_drafts_compared_in_one_run(tmp_path):
+    """--compare-draft b=DIR: the DFlash methods again with a second draft, as METHOD@b, prompt by prompt in the same
+    run, each lossless; it is that draft they propose with."""
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) + "\n")
+    tok = StubTokenizer()
+    target = TargetModel(tiny_qwen3(), tok)
+    tiny_draft(target, block_size=5, seed=9).save_pretrained(tmp_path / "b")
+    cfg = BenchConfig(prompts=str(pfile), n=None, max_new_tokens=16, dtype="fp32", methods=("ar", "dflash"),
+                      compare_drafts=(("b", str(tmp_path / "b")),), out=str(tmp_path / "out"), progress=False,
+                      plots=False, threads=1)
+    res = run_bench(cfg, target=target, tokenizer=tok, draft=tiny_draft(target, block_size=5, seed=2))
+    assert res["methods"] == ["ar", "dflash", "dflash@b"]
+    by = {(r["method"], r["prompt_id"]): r for r in res["records"]}
+    for pid in {r["prompt_id"] for r in res["records"]}:
+        assert by[("dflash@b", pid)]["token_ids"] == by[("ar", pid)]["token_ids"]
+    assert any("draft b:" in n for n in res["notes"])
+    from blockdraft.eval.bench import METHODS
+    from blockdraft.eval.engines import build_all
+    from blockdraft.models.loading import load_draft
+
+    built = build_all(cfg.resolved(), METHODS, target, tok, tiny_draft(target, block_size=5, seed=2), [])
+    second = built.engines["dflash@b"].proposer.draft
+    assert second is not built.engines["dflash"].proposer.draft
+    saved = load_draft(tmp_path / "b", target).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in second.state_dict().items())
+    first = built.engines["dflash"].proposer.draft.state_dict()
+    assert any(not torch.equal(v, first[k]) for k, v in second.state_dict().items())
+    for bad in ((("b", "x"), ("b", "y")), (("int8", "x"),), (("a b", "x"),)):
+        with pytest.raises(ValueError, match="--compare-draft"):
+            BenchConfig(compare_drafts=bad).resolved()
 
 
 def test_manifest_hashes_files_and_changes_with_them(tmp_path):

@@ -35,6 +35,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", type=csv, default=bench.BenchConfig.weights,
                    help="comma list of weights modes (auto, bf16, int8, int4): the first for every method, each "
                         "further one reruns " + ",".join(weights_methods()) + " as METHOD@MODE in the same run")
+    p.add_argument("--compare-draft", action="append", default=[], metavar="NAME=DIR",
+                   help="another DFlash draft of the same target (repeatable): the DFlash methods run again with it "
+                        "as METHOD@NAME in the same run, prompt by prompt beside the others")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", default=None, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
     p.add_argument("--quick", action="store_true", help="2 prompts per task, 64 new tokens, temperature 0")
@@ -69,12 +72,20 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _named(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not path:
+        raise SystemExit(f"blockdraft bench: --compare-draft takes NAME=DIR, got {value!r}")
+    return name, path
+
+
 def config_from_args(args) -> bench.BenchConfig:
     temps = args.temperatures if args.temperatures is not None else (args.temperature,)
     return bench.BenchConfig(target=args.target, draft=args.draft, tasks=tuple(args.tasks), methods=tuple(args.methods),
                        n=args.n or None, max_new_tokens=args.max_new_tokens, temperatures=tuple(temps),
                        block_size=args.block_size, denoise_steps=args.denoise_steps, dtype=args.dtype,
-                       weights=tuple(args.weights), seed=args.seed,
+                       weights=tuple(args.weights), compare_drafts=tuple(_named(v) for v in args.compare_draft),
+                       seed=args.seed,
                        prompts=args.prompts, quick=args.quick, multi_turn=args.multi_turn, out=args.out,
                        pld_max_ngram=args.pld_max_ngram, eagle_draft=args.eagle_draft, gamma=args.gamma,
                        tree_budget=args.tree_budget,

@@ -42,6 +42,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import shlex
 import sys
 import time
@@ -91,6 +92,8 @@ class BenchConfig:
     dtype: str = "bf16"
     # the first: every engine method; the others: engines.weights_methods() again, as `m@mode`
     weights: tuple[str, ...] = ("auto",)
+    # further DFlash drafts (name, directory): the DFlash methods again with each, as `m@name`, in the same run
+    compare_drafts: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     prompts: str | None = None  # a user JSONL prompt file instead of the built-in tasks
     quick: bool = False  # 2 prompts per task, 64 new tokens, temperature 0
@@ -122,6 +125,11 @@ class BenchConfig:
         badw = [w for w in cfg.weights if w not in WEIGHT_MODES]
         if badw or not cfg.weights or len(set(cfg.weights)) != len(cfg.weights):
             raise ValueError(f"--weights must list distinct modes of {WEIGHT_MODES}, got {cfg.weights}")
+        names = [n for n, _ in cfg.compare_drafts]
+        if len(set(names)) != len(names) or any(not n or not re.fullmatch(r"[\w.-]+", n) or n in WEIGHT_MODES
+                                                for n in names):
+            raise ValueError(f"--compare-draft needs distinct NAME=DIR with names of letters, digits, '.', '_' or "
+                             f"'-' other than {WEIGHT_MODES}, got {names}")
         bad = [m for m in cfg.methods if m not in METHODS]
         if bad or not cfg.methods:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")

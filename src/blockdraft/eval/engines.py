@@ -25,6 +25,7 @@ from ..models.loading import FAMILY_DRAFT_MODELS, load_draft, load_target, resol
 from ..models.quant import plan_weights
 from ..models.target import TargetModel
 from .external import LlamaCpp, llamacpp_available
+from .manifest import dir_sha256
 from .llamacpp_server import bf16_gguf, build_server_runners
 
 # the benchmark's method names, in its canonical order: the registry's, then the references'
@@ -60,6 +61,7 @@ class Built:
     block_sizes: dict = field(default_factory=dict)
     draft_desc: str | None = None
     gguf: str | None = None
+    calibration: tuple | None = None  # (taps, VerifyCost) measured for this target at start
 
 
 def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list[str]) -> Built:
@@ -91,6 +93,8 @@ def build_all(cfg, order: tuple[str, ...], target, tokenizer, draft, notes: list
             spec_gguf=_spec_gguf(cfg, notes), spec_n=cfg.llamacpp_spec_n))
     for mode in cfg.weights[1:]:
         _add_weights_engines(cfg, built, draft_model, mode, notes)
+    for name, path in cfg.compare_drafts:
+        _add_draft_engines(cfg, built, name, path, notes)
     return built
 
 
@@ -145,11 +149,16 @@ def add_engines(cfg, built: Built, draft: DFlashDraftModel | None, notes: list[s
     cost = None
     if calibrated:
         taps = max((proposer_taps(draft, registry_entry(m).name) for m in calibrated), key=len)
-        cost = load_or_measure(target, refresh=True, taps=taps)
-        if any(registry_entry(m).tree for m in calibrated):
-            notes.append(f"tree budget chosen per step from a verify-cost calibration measured at start: verifying "
-                         f"16 / 64 tokens costs {cost(16) / cost(1):.2f}x / {cost(64) / cost(1):.2f}x one token "
-                         f"({1e3 * cost(1):.1f} ms)")
+        # one calibration per target and taps: drafts compared in one run price the verify alike
+        if built.calibration is not None and built.calibration[0] == taps:
+            cost = built.calibration[1]
+        else:
+            cost = load_or_measure(target, refresh=True, taps=taps)
+            built.calibration = (taps, cost)
+            if any(registry_entry(m).tree for m in calibrated):
+                notes.append(f"tree budget chosen per step from a verify-cost calibration measured at start: "
+                             f"verifying 16 / 64 tokens costs {cost(16) / cost(1):.2f}x / "
+                             f"{cost(64) / cost(1):.2f}x one token ({1e3 * cost(1):.1f} ms)")
     slow = None
     if any(m in REFERENCES and REFERENCES[m].runner == "engine-hf" for m in methods):
         if target.lean is None:
@@ -189,6 +198,23 @@ def _add_llamacpp(cfg, built: Built, notes: list[str]) -> None:
         pld = (cfg.pld_max_ngram, cfg.hf_pld_tokens) if REFERENCES[m].draft == "lookup" else None
         built.external[m] = LlamaCpp(file, threads, min(built.target.max_context, 4096), pld)
         notes.append(f"{m}: llama.cpp on {Path(file).name} (its own kernels), {threads} threads")
+
+
+def _add_draft_engines(cfg, built: Built, name: str, path: str, notes: list[str]) -> None:
+    """The requested DFlash methods again with the draft in `path`, as `method@name`, on the same target and its
+    calibration: two drafts compared prompt by prompt in one run."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--compare-draft {name}={path}: no such draft directory")
+    draft = load_draft(Path(path), built.target)
+    sub = Built(built.target, built.target_name, built.tokenizer,
+                [m for m in built.methods if m in engine_methods() and m not in REFERENCES and _uses_dflash_draft(m)],
+                calibration=built.calibration)
+    add_engines(cfg, sub, draft, notes)
+    for m in sub.methods:
+        label = f"{m}@{name}"
+        built.engines[label], built.block_sizes[label] = sub.engines[m], sub.block_sizes[m]
+        built.methods.insert(built.methods.index(m) + 1, label)
+    notes.append(f"draft {name}: {path} (sha256 {dir_sha256(Path(path))}; its methods as METHOD@{name})")
 
 
 def _add_weights_engines(cfg, built: Built, draft, mode: str, notes: list[str]) -> None:
