@@ -3,8 +3,8 @@
 // scored again as s + z . W_head[id], the first maximum chosen, its id fed to row k + 1. The arithmetic is a few
 // matrix-vector products of a few hundred numbers; in torch each of the ~25 operations a block needs cost 10-30 us
 // on 2 threads whatever its size, so a block's chain cost ~1 ms beside a ~4 ms draft step. Here it is one call on
-// one thread (the products are too small to split), float32 throughout, sums in another order than torch's: the
-// same values to rounding, and the same choices wherever two candidates' scores are not within rounding.
+// torch's threads, float32 throughout, sums in another order than torch's: the same values to rounding, and the
+// same choices wherever two candidates' scores are not within rounding.
 #pragma once
 #include "common.h"
 
@@ -39,9 +39,14 @@ inline void rms_chain(const A* x, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] *= r;
 }
 
-// y[o] = sum_i w[o, i] x[i] (+ b[o]) for o < rows: w [rows, n] float32 row-major
-inline void mv_chain(const float* w, const float* x, const float* b, int64_t rows, int64_t n, float* y) {
-  for (int64_t o = 0; o < rows; ++o) y[o] = dot_chain(w + o * n, x, n) + (b != nullptr ? b[o] : 0.f);
+// y[r, o] = sum_i w[o, i] x[r, i] (+ b[o]) for r < m, o < rows: w [rows, n] float32 row-major, x [m, n], y [m, rows].
+// Each weight row is read once for all m inputs, and the rows are split over torch's threads: the selector's
+// matrices (1.5 MB each on a 1.5B target) are cold after a verify step has streamed the target's weights.
+inline void mm_chain(const float* w, const float* x, int64_t m, const float* b, int64_t rows, int64_t n, float* y) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t r = 0; r < m; ++r) y[r * rows + o] = dot_chain(w + o * n, x + r * n, n) + (b != nullptr ? b[o] : 0.f);
+  });
 }
 
 // The first index of the maximum of s[0..k) (torch's argmax: a NaN counts as the maximum)
@@ -68,22 +73,22 @@ void chain_greedy(const float* top_s, const int64_t* top_ids, const T* hidden, i
                   const ChainWeights& cw, const E* embed, const E* head, float* table, uint8_t* have,
                   int64_t* chosen, float* cand) {
   const int64_t h = cw.hidden, r = cw.rank;
-  std::vector<float> x(h), a(r), z(h);
+  std::vector<float> x(g * h), hp(g * r), a(r), z(h);
+  for (int64_t row = 0; row < g; ++row) rms_chain(hidden + row * h, h, x.data() + row * h);
+  mm_chain(cw.w_h, x.data(), g, cw.b, r, h, hp.data());  // the hidden half of every row at once
   int64_t prev = anchor;
   for (int64_t row = 0; row < g; ++row) {
     float* tp = table + prev * r;
     if (!have[prev]) {
       rms_chain(embed + prev * h, h, x.data());
-      mv_chain(cw.w_e, x.data(), nullptr, r, h, tp);
+      mm_chain(cw.w_e, x.data(), 1, nullptr, r, h, tp);
       have[prev] = 1;
     }
-    rms_chain(hidden + row * h, h, x.data());
-    mv_chain(cw.w_h, x.data(), cw.b, r, h, a.data());
     for (int64_t i = 0; i < r; ++i) {
-      const float v = a[i] + tp[i];
+      const float v = hp[row * r + i] + tp[i];
       a[i] = v / (1.f + std::exp(-v));  // silu
     }
-    mv_chain(cw.w_out, a.data(), nullptr, h, r, z.data());
+    mm_chain(cw.w_out, a.data(), 1, nullptr, h, r, z.data());
     float* s = cand + row * k;
     for (int64_t j = 0; j < k; ++j) s[j] = top_s[row * k + j] + dot_chain(head + top_ids[row * k + j] * h, z.data(), h);
     chosen[row] = argmax_chain(s, k);
