@@ -360,6 +360,9 @@ def _draw_slots(tokens: list, nodes: list[_Node], parents: list[int], q: torch.T
         w = q[nodes[slots[0]].depth - 1].float().clone()
         if parent in fixed:
             w[fixed[parent]] = 0.0
-        drawn = torch.multinomial(w, len(slots), replacement=False, generator=generator).tolist()
+        # drawn among the tokens q gives mass to (a draft's vocabulary: ~8k of a target's ~150k): the same
+        # distribution, and a draw without replacement costs by the entries it is given (~1 ms over 49k, 3 over 150k)
+        support = w.nonzero().squeeze(1)
+        drawn = support[torch.multinomial(w[support], len(slots), replacement=False, generator=generator)].tolist()
         for i, t in zip(slots, drawn):
             tokens[i] = t
