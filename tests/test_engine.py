@@ -276,6 +276,26 @@ def test_a_temperature_below_the_floor_decodes_greedily(llama_target):
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
+def test_draw_follows_the_weights_and_never_draws_a_zero(monkeypatch):
+    """Each row's draws follow its weights (8,000 draws: index 1 holds a quarter, its binomial sd is ~39, so 5 sd of
+    slack), zero weights are never drawn, and a draw at the very top of the cumulative sum still lands on a weight."""
+    from blockdraft.decode.sampling import draw
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0]])
+    counts = torch.zeros(2, 5)
+    n = 8000
+    for _ in range(n):
+        d = draw(w, g)
+        counts[0, d[0]] += 1
+        counts[1, d[1]] += 1
+    assert counts[0, [0, 2, 4]].sum() == 0 and counts[1, 0] == n
+    assert abs(float(counts[0, 1]) - n / 4) < 5 * (n * 0.25 * 0.75) ** 0.5
+    # u * total rounded up to the total (u = 1 stands for it): the row's last weighted index, not the zeros past it
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
+    assert draw(w, g).tolist() == [3, 0]
+
+
 def test_sampling_refuses_a_row_that_is_not_a_distribution():
     from blockdraft.decode.sampling import sample
 

@@ -50,7 +50,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     mass = flat.sum(-1)
     if not (torch.isfinite(mass).all() and (mass > 0).all() and (flat >= 0).all()):
         raise ValueError("sampling: the probabilities are not finite or have no mass (non-finite logits)")
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return draw(flat, generator).view(probs.shape[:-1])
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """weights [R, V] (>= 0, each row with mass) -> [R] int64: one index per row drawn with probability weight / row
+    sum, by inverting the row's cumulative sum (float64) at one uniform number from `generator`. A zero weight is
+    never drawn. Why not torch.multinomial: over a 150k vocabulary it took ~4 ms a row on 2 threads, a tenth of a
+    1.5B target's step; this takes ~1 ms."""
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    u = torch.rand((weights.shape[0], 1), generator=generator, dtype=torch.float64, device=weights.device)
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    # u * total rounds up to total for u within 2^-53 of 1: then the row's last index with weight, not a zero past it
+    return torch.minimum(idx, torch.searchsorted(cdf, total, right=False)).squeeze(1)
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import argmax
+from .sampling import argmax, draw
 from .tree import Tree
 
 
@@ -98,6 +98,6 @@ def rejection_verify(tree: Tree, target_probs: torch.Tensor | Callable[[int], to
             p = residual / mass if float(mass) > 0 else p
             tried.append(x)
         if accepted is None:
-            last = int(torch.multinomial(p, 1, generator=generator))
+            last = int(draw(p.unsqueeze(0), generator)[0])
             return path, [tokens[i] for i in path[1:]] + [last]
         path.append(accepted)
