@@ -108,7 +108,8 @@ std::tuple<torch::Tensor, torch::Tensor> selector_chain(const torch::Tensor& top
   TORCH_CHECK(have.dim() == 1 && have.size(0) == v && have.scalar_type() == at::kByte, "have must be uint8 [V]");
   const int64_t* ids = top_ids.data_ptr<int64_t>();
   TORCH_CHECK(anchor >= 0 && anchor < v, "anchor out of the vocabulary");
-  for (int64_t i = 0; i < g * k; ++i) TORCH_CHECK(ids[i] >= 0 && ids[i] < head.size(0) && ids[i] < v, "id out of range");
+  for (int64_t i = 0; i < g * k; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < head.size(0) && ids[i] < v, "id out of range");
   auto chosen = torch::empty({g}, top_ids.options());
   auto cand = torch::empty({g, k}, top_s.options());
   const ChainWeights cw{w_h.data_ptr<float>(), w_e.data_ptr<float>(), b.data_ptr<float>(), w_out.data_ptr<float>(),

@@ -45,7 +45,8 @@ inline void rms_chain(const A* x, int64_t n, float* out) {
 inline void mm_chain(const float* w, const float* x, int64_t m, const float* b, int64_t rows, int64_t n, float* y) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
-      for (int64_t r = 0; r < m; ++r) y[r * rows + o] = dot_chain(w + o * n, x + r * n, n) + (b != nullptr ? b[o] : 0.f);
+      for (int64_t r = 0; r < m; ++r)
+        y[r * rows + o] = dot_chain(w + o * n, x + r * n, n) + (b != nullptr ? b[o] : 0.f);
   });
 }
 
