@@ -138,6 +138,30 @@ def test_recommended_decode_block_size(tmp_path, llama_target):
     assert DFlashProposer(loaded, llama_target, block_size=6).block_size == 6
 
 
+def test_recommended_decode_method(tmp_path, llama_target):
+    """`--method auto` decodes with the method a draft's config recommends (blockdraft.decode_method, kept by a
+    save/load), else dflash-adaptive, and plainly without a draft; an explicit method wins; a recommendation that
+    is not a DFlash method is refused, naming it."""
+    from blockdraft.decode.proposers.tree import TreeProposer
+    from blockdraft.decode.spec import AUTO, DecodeSpec, build_engine
+
+    draft = tiny_draft(llama_target, layers=1)
+    auto = DecodeSpec(method=AUTO)
+    assert auto.resolved(llama_target, draft).method == "dflash-adaptive"
+    assert auto.resolved(llama_target, None).method == "ar"
+    draft.config.decode_method = "dflash-tree"
+    draft.save_pretrained(tmp_path, dtype=torch.float32)
+    assert json.loads((tmp_path / "config.json").read_text())["blockdraft"]["decode_method"] == "dflash-tree"
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    engine = build_engine(llama_target, loaded, DecodeSpec(method=AUTO, tree_budget=3))  # fixed budget: no calibration
+    assert engine.spec.method == "dflash-tree" and isinstance(engine.proposer, TreeProposer)
+    assert DecodeSpec(method="dflash").resolved(llama_target, loaded).method == "dflash"
+    for bad in ("pld", "eagle", "nope"):
+        loaded.config.decode_method = bad
+        with pytest.raises(ValueError, match=f"decode_method '{bad}', which is not a DFlash method"):
+            auto.resolved(llama_target, loaded)
+
+
 def test_extending_taps_or_depth_keeps_the_draft_function(target: TargetModel):
     """A continued draft that gains fused layers (zero fusion columns) or layers (zero output maps) computes what it
     computed before, so a longer run starts where the old one ended; only the new parameters are free."""

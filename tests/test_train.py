@@ -112,6 +112,10 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
         TrainConfig.from_yaml(str(p))
     p.write_text("num_layers: 2\nblock_size: 8\n")
     assert TrainConfig.from_yaml(str(p), lr=1e-3).lr == 1e-3
+    assert TrainConfig(decode_method="tree").decode_method == "dflash-tree"  # an alias, stored by its name
+    for bad in ("pld", "nope"):  # not a method, or one that decodes without the draft
+        with pytest.raises(ValueError, match="decode_method"):
+            TrainConfig(decode_method=bad)
 
 
 def test_reduced_vocabulary_training(tiny, tmp_path):
@@ -120,10 +124,12 @@ def test_reduced_vocabulary_training(tiny, tmp_path):
     recs = regenerated(tiny, 6, seed=8, new_tokens=24)
     top = frequent_tokens(recs, 10, 99, always=(97,))
     assert top.numel() == 10 and 97 in top.tolist() and torch.equal(top, top.sort().values)
-    summary = train(_cfg(tmp_path, draft_vocab_size=10, steps=4), target=tiny, records=recs, progress=False)
+    summary = train(_cfg(tmp_path, draft_vocab_size=10, steps=4, decode_method="dflash-tree"), target=tiny,
+                    records=recs, progress=False)
     assert all(l == l for l in summary["losses"])  # finite, no NaN
     d = DFlashDraftModel.from_pretrained(summary["out"])
     assert d.config.draft_vocab_size == 10 and d.vocab_ids.tolist() == top.tolist()
+    assert d.config.decode_method == "dflash-tree"  # the recipe's recommendation reaches the saved config
 
 
 def test_layer_init_from_target_reproduces_its_values(tiny):

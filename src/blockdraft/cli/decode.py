@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..config import GenerationConfig, SamplingParams
-from ..decode.spec import build_engine
+from ..decode.spec import AUTO, build_engine
 from ..models.loading import encode_prompt, load_draft, load_target, resolve_draft
 from .options import add_decode, add_model, add_sampling, decode_spec
 
@@ -18,7 +18,7 @@ log = logging.getLogger("blockdraft")
 
 def add_decode_command(p) -> None:
     add_model(p)
-    add_decode(p, "dflash-adaptive")
+    add_decode(p, AUTO)
     # the method's older spellings, kept for the users who have them in their scripts
     p.add_argument("--fixed-width", dest="method", action="store_const", const="dflash",
                    help="the same as --method dflash: always draft block size - 1 tokens")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..decode.spec import ALIASES, DRAFT_WEIGHTS, METHODS, DecodeSpec
+from ..decode.spec import ALIASES, AUTO, AUTO_FALLBACK, DRAFT_WEIGHTS, METHODS, DecodeSpec
 
 WEIGHT_CHOICES = ("auto", "bf16", "int8", "int4")
-METHOD_NAMES = tuple(METHODS) + tuple(sorted(ALIASES))
+METHOD_NAMES = (AUTO,) + tuple(METHODS) + tuple(sorted(ALIASES))
 
 
 def add_target(p: argparse.ArgumentParser, help: str | None = None) -> None:
@@ -45,7 +45,8 @@ def add_decode(p: argparse.ArgumentParser, default_method: str) -> None:
     --recalibrate)."""
     p.add_argument("--method", default=default_method, choices=METHOD_NAMES, metavar="METHOD",
                    help="how to decode, one of: " + "; ".join(f"{m.name} = {m.summary}" for m in METHODS.values())
-                        + f" (default {default_method}; aliases: "
+                        + f"; {AUTO} = the method the draft's config.json recommends (decode_method), else "
+                          f"{AUTO_FALLBACK} (default {default_method}; aliases: "
                         + ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items())) + ")")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per verify step (default: the draft's recommended decode block size, else its "

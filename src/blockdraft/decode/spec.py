@@ -16,6 +16,9 @@ Methods (`METHODS`; `ALIASES` maps older names onto them):
 - `lookup-tree`: prompt-lookup branches alone as a tree (no draft);
 - `pld`: prompt-lookup decoding (n-gram continuation of the committed tokens, no draft);
 - `eagle`: an EAGLE-3 drafter's chain (the autoregressive-drafter baseline).
+
+`auto` (the CLI's default) is not a method but a choice among them: the one the DFlash draft's config.json
+recommends (`decode_method`, written where the draft was measured), else `dflash-adaptive`.
 """
 
 from __future__ import annotations
@@ -44,11 +47,14 @@ DRAFT_WEIGHTS = ("auto", "bf16", "int8", "int4")
 BATCH_POLICIES = ("always", "measured")
 ALIASES = {"none": "ar", "plain": "ar", "lookup": "pld", "prompt-lookup": "pld", "fixed-width": "dflash",
            "adaptive": "dflash-adaptive", "tree": "dflash-tree", "tree-lookup": "dflash+lookup"}
+AUTO = "auto"  # the draft's recommended method (its config's decode_method), else AUTO_FALLBACK
+AUTO_FALLBACK = "dflash-adaptive"
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """How to decode: a method of the registry and its settings, checked when made.
+    """How to decode: a method of the registry (or `AUTO`: the draft's recommended one) and its settings, checked
+    when made.
 
     block_size: tokens per verify step (None: the draft's recommended decode block size, else its trained size;
     PLD_BLOCK_SIZE for prompt lookup; an EAGLE draft's own chain length + 1), resolved once by `resolved`;
@@ -77,8 +83,8 @@ class DecodeSpec:
 
     def __post_init__(self) -> None:
         name = ALIASES.get(self.method, self.method)
-        if name not in METHODS:
-            raise ValueError(f"unknown decoding method {self.method!r}; choose one of {', '.join(METHODS)} "
+        if name not in METHODS and name != AUTO:
+            raise ValueError(f"unknown decoding method {self.method!r}; choose one of {', '.join(METHODS)}, {AUTO} "
                              f"(or an alias: {', '.join(sorted(ALIASES))})")
         object.__setattr__(self, "method", name)
         if self.block_size is not None and self.block_size < 1:
@@ -101,13 +107,15 @@ class DecodeSpec:
 
     @property
     def entry(self) -> "Method":
-        return METHODS[self.method]
+        """The registry entry; for `AUTO` before a draft is known, the fallback's (every method `AUTO` can become
+        decodes with a DFlash draft)."""
+        return METHODS[AUTO_FALLBACK if self.method == AUTO else self.method]
 
     def resolved(self, target: TargetModel, draft) -> "DecodeSpec":
-        """This spec for this target and draft: the method the draft allows (an EAGLE draft decodes `eagle`; a
-        method whose draft is missing falls back as its registry entry says), the block size and the draft's
-        weights made concrete."""
-        method = self.entry.method_for(draft)
+        """This spec for this target and draft: the method the draft allows (`AUTO`: the draft's recommendation;
+        an EAGLE draft decodes `eagle`; a method whose draft is missing falls back as its registry entry says), the
+        block size and the draft's weights made concrete."""
+        method = (recommended_method(draft) if self.method == AUTO else self.entry).method_for(draft)
         entry, bs = METHODS[method], self.block_size
         if entry.draft == "dflash":
             bs = decode_block_size(draft, bs)
@@ -163,6 +171,21 @@ class Method:
         if self.draft == "eagle":
             raise ValueError(f"method {self.name} needs an EAGLE draft, not a {type(draft).__name__}")
         return self.name
+
+
+def recommended_method(draft) -> Method:
+    """The registry entry `AUTO` decodes with for this draft: a DFlash draft's `decode_method`, else
+    AUTO_FALLBACK. A recommendation that names no DFlash method of this registry is refused, not ignored: the draft
+    was saved by a different version or edited by hand, and decoding with another method than it says would
+    measure something else than its model card."""
+    name = draft.config.decode_method if isinstance(draft, DFlashDraftModel) else None
+    if name is None:
+        return METHODS[AUTO_FALLBACK]
+    entry = METHODS.get(ALIASES.get(name, name))
+    if entry is None or entry.draft != "dflash":
+        raise ValueError(f"the draft's config.json recommends decode_method {name!r}, which is not a DFlash method "
+                         f"({', '.join(m for m, e in METHODS.items() if e.draft == 'dflash')}); pass --method")
+    return entry
 
 
 def _dflash(target, draft, spec, cost) -> DFlashProposer:

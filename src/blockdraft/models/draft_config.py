@@ -87,6 +87,10 @@ class DFlashConfig(DraftShape):
     extra: dict = field(default_factory=dict)
     # The block the draft decodes best with (None: its trained block), the default of `decode_block_size`.
     decode_block_size: int | None = None
+    # The decoding method the draft is fastest with where it was measured (a name of the decode registry; None: the
+    # engine's default), what `--method auto` decodes with: e.g. a tree where a chain's verify width costs more than
+    # its accepted tokens pay for. The decode layer checks the name when it resolves the method.
+    decode_method: str | None = None
     # Trained without the target's features (an ablation): the draft taps no target layer at decode time.
     no_target_features: bool = False
     # An input beyond the public layout (off by default): the fusion also reads, at each context position, the
@@ -182,6 +186,8 @@ class DFlashConfig(DraftShape):
         d = dict(self.extra)
         if self.decode_block_size is not None:
             d["decode_block_size"] = self.decode_block_size
+        if self.decode_method is not None:
+            d["decode_method"] = self.decode_method
         if self.no_target_features:
             d["no_target_features"] = True
         if self.next_token_feature:
@@ -213,6 +219,7 @@ class DFlashConfig(DraftShape):
         selector_rank = int(extra.pop("selector_rank", 0))
         selector_top_k = int(extra.pop("selector_top_k", 16))
         decode_block = extra.pop("decode_block_size", None)
+        decode_method = extra.pop("decode_method", None)
         no_features = bool(extra.pop("no_target_features", False))
         return cls(
             hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
@@ -228,4 +235,5 @@ class DFlashConfig(DraftShape):
             next_token_feature=next_token, next_token_scale=next_scale, copy_gate=copy_gate, layer_mix=layer_mix,
             selector_rank=selector_rank, selector_top_k=selector_top_k,
             decode_block_size=int(decode_block) if decode_block else None, no_target_features=no_features,
+            decode_method=str(decode_method) if decode_method else None,
         )

@@ -47,6 +47,8 @@ class TrainConfig:
     next_token_scale: float = 1.0  # ... times this factor, when the input is added
     decode_block: int = 0  # the block the draft recommends decoding with, written into its config.json
     #                        (`decode_block_size`; 0 = none: decoders use block_size)
+    decode_method: str = ""  # the decoding method the draft recommends (`--method auto`), written into its
+    #                          config.json (`decode_method`; "" = none: decoders use dflash-adaptive)
     copy_gate: bool = False  # a learned bonus on prompt lookup's candidate (`copy_gate.py`; cache source)
     layer_mix: bool = False  # each draft layer mixes the fused inputs with its own learned weights (a departure from
     #                          the public layout: `DFlashConfig.layer_mix`; matters with 2+ draft layers only)
@@ -141,6 +143,14 @@ class TrainConfig:
             raise ValueError(f"eval_block must be in 2..block_size ({self.block_size}), got {self.eval_block}")
         if self.decode_block and not 2 <= self.decode_block <= self.block_size:
             raise ValueError(f"decode_block must be 0 or in 2..block_size ({self.block_size}), got {self.decode_block}")
+        if self.decode_method:
+            from ..decode.spec import ALIASES, METHODS  # the registry is the decode layer's; checked here, early
+            name = ALIASES.get(self.decode_method, self.decode_method)
+            if name not in METHODS or METHODS[name].draft != "dflash":
+                raise ValueError(f"decode_method must be a method that decodes with a DFlash draft "
+                                 f"({', '.join(m for m, e in METHODS.items() if e.draft == 'dflash')}), "
+                                 f"got {self.decode_method!r}")
+            self.decode_method = name
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError("kd_weight must be in [0, 1]")
         if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):

@@ -250,6 +250,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None, records: list[dic
     draft.config.no_target_features = cfg.no_target_features
     if cfg.decode_block:
         draft.config.decode_block_size = cfg.decode_block
+    if cfg.decode_method:
+        draft.config.decode_method = cfg.decode_method
 
     groups = draft_param_groups(draft)
     params = [p for g in groups for p in g["params"]]
