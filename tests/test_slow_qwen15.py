@@ -6,7 +6,7 @@ import torch
 
 from blockdraft.config import GenerationConfig
 from blockdraft.decode.engine import Engine
-from blockdraft.decode.spec import DecodeSpec, build_engine
+from blockdraft.decode.spec import AUTO, DecodeSpec, build_engine
 from blockdraft.models.draft import DFlashDraftModel
 from blockdraft.models.loading import PARTED_TARGETS, encode_prompt, joined_gguf, load_target, resolve_draft
 
@@ -43,13 +43,18 @@ def test_greedy_dflash_equals_plain_decoding_in_fp32(draft_dir):
 
 def test_greedy_dflash_equals_plain_decoding_on_the_quantized_stack(draft_dir):
     """The GGUF's own weights on the native kernels, as the product decodes: a k-token verify gives the bits of k
-    one-token steps, so the drafted output equals plain decoding's on the same stack."""
+    one-token steps (and a tree's nodes the bits of their paths' steps), so the drafted output equals plain
+    decoding's on the same stack: with the chain and with the method the draft recommends (`--method auto`)."""
     target, _ = load_target(TARGET)
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=target.dtype)
     cfg = GenerationConfig(max_new_tokens=64)
-    plain, eng = Engine(target), build_engine(target, draft, DecodeSpec("dflash"))
+    plain = Engine(target)
+    engines = [build_engine(target, draft, DecodeSpec("dflash")), build_engine(target, draft, DecodeSpec(AUTO))]
+    assert engines[1].spec.method == (draft.config.decode_method or "dflash-adaptive")
     for p in PROMPTS:
         ids = encode_prompt(target.tokenizer, p)
-        res = eng.generate(ids, cfg)
-        assert res.token_ids == plain.generate(ids, cfg).token_ids, p
-        assert max(res.stats.accept_lengths) > 1  # the draft did commit more than one token in some step
+        want = plain.generate(ids, cfg).token_ids
+        for eng in engines:
+            res = eng.generate(ids, cfg)
+            assert res.token_ids == want, (eng.spec.method, p)
+            assert max(res.stats.accept_lengths) > 1  # the draft did commit more than one token in some step
