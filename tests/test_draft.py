@@ -158,7 +158,7 @@ def test_recommended_decode_method(tmp_path, llama_target):
     assert DecodeSpec(method="dflash").resolved(llama_target, loaded).method == "dflash"
     for bad in ("pld", "eagle", "nope"):
         loaded.config.decode_method = bad
-        with pytest.raises(ValueError, match=f"decode_method '{bad}', which is not a DFlash method"):
+        with pytest.raises(ValueError, match=f"config.json: decode_method '{bad}' is not a DFlash method"):
             auto.resolved(llama_target, loaded)
 
 

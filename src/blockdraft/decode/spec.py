@@ -173,19 +173,28 @@ class Method:
         return self.name
 
 
+def dflash_method(name: str) -> str:
+    """The registry name of a method that decodes with a DFlash draft (an alias resolved): what a draft may
+    recommend (`decode_method`); anything else is a ValueError naming the choices."""
+    entry = METHODS.get(ALIASES.get(name, name))
+    if entry is None or entry.draft != "dflash":
+        raise ValueError(f"decode_method {name!r} is not a DFlash method (one of "
+                         f"{', '.join(m for m, e in METHODS.items() if e.draft == 'dflash')})")
+    return entry.name
+
+
 def recommended_method(draft) -> Method:
     """The registry entry `AUTO` decodes with for this draft: a DFlash draft's `decode_method`, else
-    AUTO_FALLBACK. A recommendation that names no DFlash method of this registry is refused, not ignored: the draft
-    was saved by a different version or edited by hand, and decoding with another method than it says would
-    measure something else than its model card."""
+    AUTO_FALLBACK. A recommendation that names no DFlash method is refused, not ignored: the draft was saved by a
+    different version or edited by hand, and decoding with another method than it says would measure something
+    else than its model card."""
     name = draft.config.decode_method if isinstance(draft, DFlashDraftModel) else None
     if name is None:
         return METHODS[AUTO_FALLBACK]
-    entry = METHODS.get(ALIASES.get(name, name))
-    if entry is None or entry.draft != "dflash":
-        raise ValueError(f"the draft's config.json recommends decode_method {name!r}, which is not a DFlash method "
-                         f"({', '.join(m for m, e in METHODS.items() if e.draft == 'dflash')}); pass --method")
-    return entry
+    try:
+        return METHODS[dflash_method(name)]
+    except ValueError as e:
+        raise ValueError(f"the draft's config.json: {e}; pass --method") from None
 
 
 def _dflash(target, draft, spec, cost) -> DFlashProposer:

@@ -144,13 +144,8 @@ class TrainConfig:
         if self.decode_block and not 2 <= self.decode_block <= self.block_size:
             raise ValueError(f"decode_block must be 0 or in 2..block_size ({self.block_size}), got {self.decode_block}")
         if self.decode_method:
-            from ..decode.spec import ALIASES, METHODS  # the registry is the decode layer's; checked here, early
-            name = ALIASES.get(self.decode_method, self.decode_method)
-            if name not in METHODS or METHODS[name].draft != "dflash":
-                raise ValueError(f"decode_method must be a method that decodes with a DFlash draft "
-                                 f"({', '.join(m for m, e in METHODS.items() if e.draft == 'dflash')}), "
-                                 f"got {self.decode_method!r}")
-            self.decode_method = name
+            from ..decode.spec import dflash_method  # the registry is the decode layer's; checked here, early
+            self.decode_method = dflash_method(self.decode_method)
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError("kd_weight must be in [0, 1]")
         if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):
