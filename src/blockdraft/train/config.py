@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..decode.spec import dflash_method
+
 INITS = ("target", "target-identity", "random")
 
 
@@ -144,8 +146,7 @@ class TrainConfig:
         if self.decode_block and not 2 <= self.decode_block <= self.block_size:
             raise ValueError(f"decode_block must be 0 or in 2..block_size ({self.block_size}), got {self.decode_block}")
         if self.decode_method:
-            from ..decode.spec import dflash_method  # the registry is the decode layer's; checked here, early
-            self.decode_method = dflash_method(self.decode_method)
+            self.decode_method = dflash_method(self.decode_method)  # checked when the config is made, not at the end
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError("kd_weight must be in [0, 1]")
         if not (self.anchor_bias >= 0.0 and math.isfinite(self.anchor_bias)):
