@@ -35,7 +35,8 @@ def main() -> int:
     torch.set_grad_enabled(False)
     target, src = load_target(args.target, "bf16")
     draft = load_draft(resolve_draft(args.draft, src.name), target)
-    engines = {m: build_engine(target, draft, DecodeSpec(m)) for m in args.methods.split(",")}
+    # keyed by method#position: the same method twice is two engines, as two drafts' engines are in the bench
+    engines = {f"{m}#{i}": build_engine(target, draft, DecodeSpec(m)) for i, m in enumerate(args.methods.split(","))}
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     sums = {m: {"steps": 0, "draft_s": 0.0, "verify_s": 0.0, "tokens": 0} for m in engines}
     for task in ("user-code", "user-chat", "user-math"):
