@@ -450,6 +450,24 @@ def test_quantized_head_rows_equal_the_full_heads_columns(one_thread):
         assert torch.equal(target.logits(h, rows), full[..., rows])
 
 
+def test_reduced_heads_are_gathered_once_per_vocabulary(one_thread):
+    """Engines take turns on one target, each proposer with its own tensor of its draft's vocabulary: equal
+    vocabularies share one gathered head and different ones keep theirs, so that no turn gathers again; a
+    vocabulary edited in place is a new one."""
+    target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
+    h = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    a, b, c = torch.tensor([3, 97, 50]), torch.tensor([3, 97, 50]), torch.tensor([1, 2])
+    with torch.no_grad():
+        full = target.logits(h)
+        for rows in (a, c, b, c, a):
+            assert torch.equal(target.logits(h, rows), full[..., rows])
+        head = target._quant_head()
+        assert target._quant_head_rows(head, a) is target._quant_head_rows(head, b)
+        assert target._quant_head_rows(head, c) is not target._quant_head_rows(head, a)
+        a[0] = 4
+        assert torch.equal(target.logits(h, a), full[..., a])
+
+
 # ------------------------------------------------------------------------------------------ decoding on them
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,6 +25,7 @@ from .hf_config import text_config
 from .lean import LeanDecoder, Linear, packed_linear_available
 from .quant import QuantLinear, WeightPlan
 
+QHEAD_ROWS_KEPT = 4  # reduced-vocabulary heads kept per target (see TargetModel._quant_head_rows)
 
 @dataclass
 class TargetOutput:
@@ -112,7 +113,8 @@ class TargetModel(nn.Module):
         self.source = source
         self._qhead: QuantLinear | None = None  # the quantized LM head, built on first use (see logits())
         self._qhead_built = False
-        self._qhead_rows: tuple | None = None  # (rows tensor, its QuantLinear): a reduced draft vocabulary's head
+        # (rows [V'], its QuantLinear) per reduced draft vocabulary asked for, most recent first (see logits())
+        self._qhead_rows: list[tuple[torch.Tensor, QuantLinear]] = []
 
     @property
     def lean(self):
@@ -266,12 +268,20 @@ class TargetModel(nn.Module):
         return self._qhead
 
     def _quant_head_rows(self, head: QuantLinear, rows: torch.Tensor) -> QuantLinear:
-        """The quantized head restricted to vocabulary rows [V'], kept for the last rows tensor asked for (a draft
-        asks with the same tensor at every step)."""
-        if self._qhead_rows is None or self._qhead_rows[0] is not rows:
-            bias = None if head.bias is None else head.bias[rows]
-            self._qhead_rows = (rows, QuantLinear(head.weight.select(rows), bias))
-        return self._qhead_rows[1]
+        """The quantized head restricted to vocabulary rows [V'], built once per distinct vocabulary. Matched by
+        value, not identity: every engine's proposer holds its own tensor of its draft's vocabulary, and engines
+        that take turns on one target (a benchmark's methods, a server's batch rows) would otherwise rebuild the
+        gathered head at every turn, which costs as much as many draft steps."""
+        for i, (known, lin) in enumerate(self._qhead_rows):
+            if known.shape == rows.shape and torch.equal(known, rows):
+                if i:
+                    self._qhead_rows.insert(0, self._qhead_rows.pop(i))
+                return lin
+        bias = None if head.bias is None else head.bias[rows]
+        lin = QuantLinear(head.weight.select(rows), bias)
+        # a few drafts' vocabularies (a benchmark comparing drafts); each is a small fraction of the head
+        self._qhead_rows = [(rows.clone(), lin)] + self._qhead_rows[:QHEAD_ROWS_KEPT - 1]
+        return lin
 
     def _packed_head(self):
         """The LM head prepacked for oneDNN (bf16 on CPU, lean path wanted), built once per dtype/device; None
