@@ -491,6 +491,42 @@ def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one
     assert target.lean.layers[0].qkv_proj.bits == (4 if mode == "int4" else 8)
 
 
+
+def test_engines_and_batch_rows_of_one_reduced_draft_share_one_gathered_head(one_thread, monkeypatch):
+    """Two engines of one reduced-vocabulary draft taking turns on a quantized target, and one engine's batch rows
+    (each with its own copy of the proposer): one gathered head serves them all, and every output is plain greedy's."""
+    from blockdraft.decode.proposers.dflash import DFlashProposer
+    from blockdraft.models.draft import DFlashDraftModel
+    from blockdraft.models.draft_config import DFlashConfig
+    from conftest import MASK_ID
+
+    target = TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan("int8"))
+    cfg = DFlashConfig.from_target(target.config, num_hidden_layers=1, block_size=5, mask_token_id=MASK_ID,
+                                   num_target_features=3, draft_vocab_size=30)
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        draft = DFlashDraftModel(cfg).eval()
+    draft.set_draft_vocab(torch.arange(0, 90, 3))
+    gcfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = [torch.tensor([3, 17, 42, 5, 8]), torch.tensor([61, 2, 9, 30])]
+    plain = [Engine(target).generate(p, gcfg).token_ids for p in prompts]
+    engines = [Engine(target, DFlashProposer(draft, target, draft_weights="int8")) for _ in range(2)]
+    assert engines[0].generate(prompts[0], gcfg).token_ids == plain[0]  # gathers the head
+    built = []
+
+    class Counted(QuantLinear):
+        def __init__(self, *a, **k):
+            built.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr("blockdraft.models.target.QuantLinear", Counted)
+    for p, want in zip(prompts, plain):
+        for eng in engines:
+            assert eng.generate(p, gcfg).token_ids == want
+    assert [r.token_ids for r in engines[0].run([(p, gcfg) for p in prompts])] == plain
+    assert not built, f"the head was gathered again {len(built)} times"
+
+
 # ------------------------------------------------------------------------------------- the native decoder stack
 def _python_path(target: TargetModel):
     """The same target decoding through lean.py's Python layers (the native stack switched off)."""
