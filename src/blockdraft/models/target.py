@@ -113,8 +113,9 @@ class TargetModel(nn.Module):
         self.source = source
         self._qhead: QuantLinear | None = None  # the quantized LM head, built on first use (see logits())
         self._qhead_built = False
-        # (rows [V'], its QuantLinear) per reduced draft vocabulary asked for, most recent first (see logits())
-        self._qhead_rows: list[tuple[torch.Tensor, QuantLinear]] = []
+        # per reduced draft vocabulary asked for, most recent first (see logits()): (the tensor last asked with, its
+        # version then, a copy of its values, the gathered head)
+        self._qhead_rows: list[tuple[torch.Tensor, int, torch.Tensor, QuantLinear]] = []
 
     @property
     def lean(self):
@@ -271,16 +272,21 @@ class TargetModel(nn.Module):
         """The quantized head restricted to vocabulary rows [V'], built once per distinct vocabulary. Matched by
         value, not identity: every engine's proposer holds its own tensor of its draft's vocabulary, and engines
         that take turns on one target (a benchmark's methods, a server's batch rows) would otherwise rebuild the
-        gathered head at every turn, which costs as much as many draft steps."""
-        for i, (known, lin) in enumerate(self._qhead_rows):
-            if known.shape == rows.shape and torch.equal(known, rows):
-                if i:
-                    self._qhead_rows.insert(0, self._qhead_rows.pop(i))
-                return lin
+        gathered head at every turn, which costs as much as many draft steps. The tensor last asked with, unchanged
+        since (its version counter), is matched without comparing its values."""
+        for i, entry in enumerate(self._qhead_rows):
+            asked, version, known, lin = entry
+            if not (asked is rows and rows._version == version) and not (
+                    known.shape == rows.shape and torch.equal(known, rows)):
+                continue
+            self._qhead_rows[i] = (rows, rows._version, known, lin)
+            if i:
+                self._qhead_rows.insert(0, self._qhead_rows.pop(i))
+            return lin
         bias = None if head.bias is None else head.bias[rows]
         lin = QuantLinear(head.weight.select(rows), bias)
         # a few drafts' vocabularies (a benchmark comparing drafts); each is a small fraction of the head
-        self._qhead_rows = [(rows.clone(), lin)] + self._qhead_rows[:QHEAD_ROWS_KEPT - 1]
+        self._qhead_rows = [(rows, rows._version, rows.clone(), lin)] + self._qhead_rows[:QHEAD_ROWS_KEPT - 1]
         return lin
 
     def _packed_head(self):
