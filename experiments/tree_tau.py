@@ -64,8 +64,8 @@ def main() -> int:
         tot = [sum(c[0] for c in by_task.values()), sum(c[1] for c in by_task.values())]
         table[name] = {t: round(c[0] / c[1], 3) for t, c in list(by_task.items()) + [("all", tot)]}
         print(f"{name:22s} " + "  ".join(f"{t} {v:.2f}" for t, v in table[name].items()))
-    print(json.dumps({"target": src.name, "draft": str(path), "tasks": args.tasks, "n": args.n, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-                      "tau": table}))
+    print(json.dumps({"target": src.name, "draft": str(path), "tasks": args.tasks, "n": args.n,
+                      "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "tau": table}))
     return 0
 
 

@@ -491,7 +491,6 @@ def test_speculative_greedy_is_token_exact_on_quantized_weights(mode, dtype, one
     assert target.lean.layers[0].qkv_proj.bits == (4 if mode == "int4" else 8)
 
 
-
 def test_engines_and_batch_rows_of_one_reduced_draft_share_one_gathered_head(one_thread, monkeypatch):
     """Two engines of one reduced-vocabulary draft taking turns on a quantized target, and one engine's batch rows
     (each with its own copy of the proposer): one gathered head serves them all, and every output is plain greedy's."""

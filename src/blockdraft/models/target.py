@@ -27,6 +27,7 @@ from .quant import QuantLinear, WeightPlan
 
 QHEAD_ROWS_KEPT = 4  # reduced-vocabulary heads kept per target (see TargetModel._quant_head_rows)
 
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [B, T', V]; T' = T, or 1 when only the last position's logits were asked for
