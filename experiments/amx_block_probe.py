@@ -56,7 +56,7 @@ __attribute__((target("avx512f,amx-tile,amx-int8")))
 torch::Tensor matmul(torch::Tensor a, torch::Tensor sa, torch::Tensor packed, torch::Tensor sw) {
   TORCH_CHECK(amx_ok(), "AMX not permitted");
   const int64_t M = a.size(0), K = a.size(1), NT = packed.size(0), KB = K / 32;
-  TORCH_CHECK(NT % 4 == 0);
+  TORCH_CHECK(NT % 4 == 0 && M <= 16, "rows of 64 columns, at most 16 activation rows (one tile)");
   auto out = torch::empty({M, NT * 16}, torch::kFloat32);
   const int8_t* A = a.data_ptr<int8_t>(); const float* SA = sa.data_ptr<float>();
   const int8_t* P = packed.data_ptr<int8_t>(); const float* SW = sw.data_ptr<float>(); float* O = out.data_ptr<float>();

@@ -275,15 +275,12 @@ class TargetModel(nn.Module):
         that take turns on one target (a benchmark's methods, a server's batch rows) would otherwise rebuild the
         gathered head at every turn, which costs as much as many draft steps. The tensor last asked with, unchanged
         since (its version counter), is matched without comparing its values."""
-        for i, entry in enumerate(self._qhead_rows):
-            asked, version, known, lin = entry
-            if not (asked is rows and rows._version == version) and not (
-                    known.shape == rows.shape and torch.equal(known, rows)):
-                continue
-            self._qhead_rows[i] = (rows, rows._version, known, lin)
-            if i:
-                self._qhead_rows.insert(0, self._qhead_rows.pop(i))
-            return lin
+        for i, (asked, version, known, lin) in enumerate(self._qhead_rows):
+            unchanged = asked is rows and rows._version == version
+            if unchanged or (known.shape == rows.shape and torch.equal(known, rows)):
+                self._qhead_rows.pop(i)
+                self._qhead_rows.insert(0, (rows, rows._version, known, lin))
+                return lin
         bias = None if head.bias is None else head.bias[rows]
         lin = QuantLinear(head.weight.select(rows), bias)
         # a few drafts' vocabularies (a benchmark comparing drafts); each is a small fraction of the head
