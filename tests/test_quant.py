@@ -526,6 +526,61 @@ def test_engines_and_batch_rows_of_one_reduced_draft_share_one_gathered_head(one
     assert not built, f"the head was gathered again {len(built)} times"
 
 
+def test_a_linear_is_packed_once_and_serves_after_its_source_is_released(one_thread):
+    """The native decoder and direct calls share one packed copy; once it exists the unpacked weight can go, and
+    every product after that gives the bits it gave before."""
+    g = torch.Generator().manual_seed(5)
+    lin = QuantLinear(quant.quantize(torch.randn(70, 64, generator=g), "int4"))
+    x = torch.randn(3, 64, generator=g)
+    assert lin.release_source() == [], "nothing is released before the kernels hold their copy"
+    y = lin(x)
+    assert lin.native() is lin.native()
+    held = lin.release_source()
+    assert lin.weight is None and sum(t.numel() for t in held) == 70 * 32 + 2 * 70 * 2  # codes, scales, offsets
+    assert torch.equal(lin(x), y) and lin.bits == 4
+    assert lin.release_source() == []
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_a_released_target_decodes_as_before_and_refuses_what_needs_the_freed_weights(mode, one_thread):
+    """release_float_weights frees the HF layers' float weights (and, under the native stack, the unpacked quantized
+    ones): greedy plain and DFlash decoding give an unreleased twin's tokens, and what would read the freed weights
+    (the HF path, a lean path rebuilt for another dtype, the weight plan) fails with a message instead."""
+    from blockdraft.decode.proposers.dflash import DFlashProposer
+
+    twin, target = (TargetModel(tiny_llama_q(), ToyTokenizer(), weights=WeightPlan(mode)) for _ in range(2))
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9])
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    weights = "int8" if mode == "int8" else "bf16"
+
+    def decode(t: TargetModel) -> tuple[list[int], list[int]]:
+        draft = tiny_draft(t, block_size=5)
+        return (Engine(t).generate(prompt, cfg).token_ids,
+                Engine(t, DFlashProposer(draft, t, draft_weights=weights)).generate(prompt, cfg).token_ids)
+
+    want = decode(twin)
+    float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in target.layers.modules()
+                      if isinstance(m, torch.nn.Linear))
+    freed = target.release_float_weights()
+    assert all(m.weight.is_meta for m in target.layers.modules() if isinstance(m, torch.nn.Linear))
+    if mode == "int8":
+        assert target.lean.native is not None, target.lean.native_reason
+        assert all(lin.weight is None for layer in target.lean.layers
+                   for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down))
+        assert freed > float_bytes and target.quantized_head  # the head keeps its weight (reduced heads gather it)
+    else:
+        assert freed == float_bytes
+    assert decode(target) == want
+    with pytest.raises(RuntimeError, match="released its float weights"):
+        target.forward(prompt[None], target.new_cache())
+    if mode == "int8":
+        with pytest.raises(RuntimeError, match="released its layers' weights"):
+            target.weights.weight_for(["model.layers.0.mlp.down_proj"], [torch.zeros(64, 96)])
+    target.hf.to(torch.float64)  # the meta weights follow; the lean path cannot
+    with pytest.raises(RuntimeError, match="released its float weights"):
+        target.lean
+
+
 # ------------------------------------------------------------------------------------- the native decoder stack
 def _python_path(target: TargetModel):
     """The same target decoding through lean.py's Python layers (the native stack switched off)."""

@@ -39,7 +39,7 @@ def load_engine(args):
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
     target, src = load_target(args.target, args.dtype, lean=not args.hf_path, compile=args.compile,
-                              weights=args.weights)
+                              weights=args.weights, decode_only=True)
     path = resolve_draft(args.draft, src.name)
     engine = build_engine(target, load_draft(path, target) if path is not None else None, decode_spec(args))
     log.info("target=%s draft=%s dtype=%s weights=%s %s %s %s", src.name, path or "none", args.dtype,

@@ -271,15 +271,21 @@ def resolve_draft(draft: str | None, target_name: str) -> Path | None:
 
 
 def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", device: str = "cpu",
-                lean: bool = True, compile: bool = False, weights: str = "auto"):
+                lean: bool = True, compile: bool = False, weights: str = "auto", decode_only: bool = False):
     """-> (TargetModel, TargetSource). lean/compile: the decode path (see TargetModel and lean.py); weights: which
-    weights the fast path holds quantized (`quant.plan_weights`: 'auto' keeps a GGUF file's own quantization)."""
+    weights the fast path holds quantized (`quant.plan_weights`: 'auto' keeps a GGUF file's own quantization);
+    decode_only: build the decode path now and free the weight copies only other paths read
+    (`TargetModel.release_float_weights`): what a process that only decodes wants."""
 
     hf, tok, src = load_hf_target(target, dtype, device)
     gguf = Path(src.path) / src.gguf_file if src.gguf_file else None
     plan = plan_weights(weights, hf, gguf) if lean else None
     source = str(gguf) if gguf is not None else src.path
-    return TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source), src
+    model = TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source)
+    if decode_only:
+        freed = model.release_float_weights()
+        log.info("decode only: %.0f MB of weights that decoding does not read released", freed / 1e6)
+    return model, src
 
 
 def load_draft(path: str | Path, target: TargetModel) -> DFlashDraftModel | EagleDraftModel:

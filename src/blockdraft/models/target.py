@@ -13,6 +13,7 @@ several engines can share one target without state left on it; `layer_ids` is on
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 from dataclasses import dataclass
 
@@ -79,6 +80,15 @@ class TargetCache:
         self.crop(start + m)
 
 
+def _return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system. glibc keeps the pages of freed tensors for reuse: after
+    `release_float_weights` on the 1.5B target a process stayed at 4.9 GB resident until this brought it to 2.6."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
+
+
 class TargetModel(nn.Module):
     """Wraps an HF `*ForCausalLM`. `layer_ids` are the decoder layers whose outputs form the draft's context."""
 
@@ -117,6 +127,7 @@ class TargetModel(nn.Module):
         # per reduced draft vocabulary asked for, most recent first (see logits()): (the tensor last asked with, its
         # version then, a copy of its values, the gathered head)
         self._qhead_rows: list[tuple[torch.Tensor, int, torch.Tensor, QuantLinear]] = []
+        self.released = False  # `release_float_weights` was called: the lean path is the only one left
 
     @property
     def lean(self):
@@ -127,9 +138,40 @@ class TargetModel(nn.Module):
             return None
         key = (self.dtype, self.device)
         if self._lean_key != key:
+            if self.released:
+                raise RuntimeError(f"this target released its float weights when it was built for {self._lean_key}; "
+                                   f"load it again to decode in {key}")
             self._lean = LeanDecoder(self.hf, compile=self._compile, weights=self.weights)
             self._lean_key = key
         return self._lean
+
+    def release_float_weights(self) -> int:
+        """Free the weights only the HF modules read, once the lean path holds its own copies: the decoder layers'
+        float linears and, where the kernels hold them packed, their unpacked quantized weights (on the 1.5B GGUF
+        target about half of what a decoding process holds; docs/serving.md). The embedding, the LM head and the
+        norms stay. A decoding process (generate, chat, serve) calls this once after loading; from then on the
+        target runs on its lean path only, and a forward through the HF modules, or a change of dtype or device, is
+        refused. -> the bytes released (0 without a lean path: the HF modules are the decode path then)."""
+        lean = self.lean
+        if lean is None:
+            return 0
+        self._quant_head()  # built from the plan's head weight before the plan forgets the layers'
+        held: list[torch.Tensor] = []
+        for module in self.layers.modules():
+            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+                held.append(module.weight)
+                # same shape and dtype, no storage: what reads a shape still can, what reads values fails loudly
+                module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        if lean.native is not None:  # the native stack reads the packed copies only
+            for layer in lean.layers:
+                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down):
+                    held += lin.release_source()
+            held += self.weights.release(keep=("lm_head",))
+        self.released = True
+        seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in held}
+        del held
+        _return_freed_heap()
+        return sum(seen.values())
 
     @property
     def lean_reason(self) -> str | None:
@@ -323,6 +365,9 @@ class TargetModel(nn.Module):
             lean = self.lean
             assert lean is not None, "a KVCache needs the lean path (see new_decode_cache)"
             return lean(ids, cache, positions, taps, tree_mask=tree_mask)
+        if self.released:
+            raise RuntimeError("this target released its float weights (release_float_weights): it decodes on its "
+                               "lean path only, with the cache of new_decode_cache")
         if tree_mask is not None:
             assert attention_mask is None and ids.shape[0] == 1, "a tree is verified alone (batch 1, no padding)"
             t = ids.shape[1]

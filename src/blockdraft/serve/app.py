@@ -331,7 +331,7 @@ def build_server(cfg: ServeConfig):
         torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
     spec = cfg.decode_spec()
-    target, src = load_target(cfg.target, cfg.dtype, weights=cfg.weights)
+    target, src = load_target(cfg.target, cfg.dtype, weights=cfg.weights, decode_only=True)
     if target.tokenizer is None:
         raise ValueError("the server needs the target's tokenizer")
     tokenizer = LockedTokenizer(target.tokenizer)

@@ -3,6 +3,7 @@ quantizing float weights, and fusing weights of different kinds (see the package
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,20 @@ def bits_of(w: QWeight) -> int:
     if isinstance(w, Stacked):
         return max(bits_of(p) for p in w.parts)
     return 4 if isinstance(w, Q4Weight) else 5 if isinstance(w, Q5Weight) else 8
+
+
+def qweight_tensors(w) -> list[torch.Tensor]:
+    """The tensors a weight holds (codes, scales, factored scales; a stack: its parts')."""
+    if isinstance(w, Stacked):
+        return [t for p in w.parts for t in qweight_tensors(p)]
+    out = []
+    for f in dataclasses.fields(w):
+        v = getattr(w, f.name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif dataclasses.is_dataclass(v):  # Factored
+            out += qweight_tensors(v)
+    return out
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...atomic import file_lock
-from .formats import Q4Weight, Q5Weight, QWeight, Stacked, bits_of
+from .formats import Q4Weight, Q5Weight, QWeight, Stacked, bits_of, qweight_tensors
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,12 @@ class QuantLinear:
     Without the kernels, W is dequantized once to x's dtype and applied with `F.linear`."""
 
     def __init__(self, weight: QWeight, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
+        self.weight: QWeight | None = weight  # None once released (`release_source`): only the packed copy is left
         self.out_features, self.in_features = weight.shape
+        self.bits = bits_of(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._dense: dict[torch.dtype, torch.Tensor] = {}
         self._call = None  # the packed kernel once bound (False: none, use the fallback)
-
-    @property
-    def bits(self) -> int:
-        return bits_of(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., K] -> [..., N]; the kernel checks x (shape, float32 / bf16, CPU) and refuses what it cannot run
@@ -138,18 +135,32 @@ class QuantLinear:
 
     def _bind(self) -> None:
         # the weights are repacked once into the kernels' panel layout; a decode step then makes ~120 direct calls
-        self._call = False if _load_kernels() is None else self.native()
+        k = _load_kernels()
+        self._call = False if k is None else _native(k, self.weight, self.bias)
 
     def native(self):
-        """This linear as the kernels hold it (csrc/qlinear.h `QLin`, also what the native decoder takes)."""
-        if self._call:
-            return self._call
-        return _native(_load_kernels(), self.weight, self.bias)
+        """This linear as the kernels hold it (csrc/qlinear.h `QLin`, also what the native decoder takes), packed
+        once: the native decoder and direct calls share one copy."""
+        if self._call is None:
+            self._bind()
+        if self._call is False:
+            raise RuntimeError(f"the quantized kernels are not in use: {kernel_status()}")
+        return self._call
+
+    def release_source(self) -> list[torch.Tensor]:
+        """Drop the unpacked weight once the kernels hold their packed copy (everything a product reads from then
+        on): -> the tensors it held (none where the linear runs the dequantized fallback, which needs them)."""
+        if not self._call or self.weight is None:
+            return []
+        held = qweight_tensors(self.weight)
+        self.weight = None
+        return held
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         assert x.shape[-1] == self.in_features, f"x must be [..., {self.in_features}], got {tuple(x.shape)}"
         dense = self._dense.get(x.dtype)
         if dense is None:
+            assert self.weight is not None, "a released linear runs on the kernels only"
             dense = self._dense[x.dtype] = self.weight.dequantize().to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, dense, bias)

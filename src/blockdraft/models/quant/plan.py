@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..hf_config import text_config
-from .formats import BLOCK, WEIGHT_MODES, QWeight, bits_of, fuse, quantize, quantize_q8
+from .formats import BLOCK, WEIGHT_MODES, QWeight, bits_of, fuse, qweight_tensors, quantize, quantize_q8
 from .gguf import gguf_name, match_rows, read_gguf_weights
 from .kernels import kernel_isa, kernel_status
 
@@ -37,12 +37,16 @@ class WeightPlan:
         self.exact = dict(self.exact or {})
         self.kept = dict(self.kept or {})
         self._quantized: dict[str, str] = {}  # module name -> 'q4' / 'q8', for every linear built quantized
+        self.released = False  # `release` was called: only the kept weights are left
 
     def weight_for(self, names: list[str], weights: list[torch.Tensor]) -> QWeight | None:
         """The quantized weight of the linear made of `names` (their float weights stacked along the output), or
         None where it stays float."""
         if self.mode == "bf16":
             return None
+        if self.released:
+            raise RuntimeError("this weight plan released its layers' weights: they live in the decode path built "
+                               "from it (load the target again to build another)")
         if self.mode == "gguf":
             parts = [self.exact.get(n) for n in names]
             if any(p is None for p in parts):
@@ -60,6 +64,14 @@ class WeightPlan:
         for n in names:
             self._quantized[n] = f"q{bits_of(w)}"
         return w
+
+    def release(self, keep: tuple[str, ...] = ("lm_head",)) -> list[torch.Tensor]:
+        """Forget the exact weights of every module but `keep`, once the decode path that was built from them holds
+        its own copies: -> the tensors they held. A decode path built from this plan afterwards is refused."""
+        held = [t for name, w in self.exact.items() if name not in keep for t in qweight_tensors(w)]
+        self.exact = {name: w for name, w in self.exact.items() if name in keep}
+        self.released = True
+        return held
 
     def head_weight(self, weight: torch.Tensor) -> QWeight | None:
         """The LM head's quantized weight [V, H] (8-bit in the int8 / int4 modes: 4-bit logits lose too much), or
