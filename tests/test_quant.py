@@ -419,6 +419,28 @@ def test_gguf_plan_maps_every_linear_and_computes_the_files_model(tmp_path, tied
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_decode_only_gguf_plan_frees_each_float_weight_it_checked_and_decodes_the_same(tmp_path, one_thread):
+    """release_matched: the layers' float weights go as the plan checks the file's blocks against them (the float
+    model and the blocks are never held side by side); the target built on that plan decodes what a target on the
+    ordinary plan decodes, plain and drafted, token for token."""
+    from blockdraft.decode.proposers.dflash import DFlashProposer
+
+    prompt = torch.tensor([3, 17, 42, 5, 8, 61, 2, 9])
+    cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    out = []
+    for release in (False, True):
+        model = tiny_llama_q()
+        write_gguf_of(model, tmp_path / f"tiny-{release}.gguf", kinds=("Q4_1", "Q8_0"))
+        plan = quant.plan_weights("auto", model, tmp_path / f"tiny-{release}.gguf", release_matched=release)
+        linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(m.weight.is_meta == release for m in linears) and not model.lm_head.weight.is_meta
+        target = TargetModel(model, ToyTokenizer(), weights=plan)
+        draft = tiny_draft(target, block_size=5)
+        out.append((Engine(target).generate(prompt, cfg).token_ids,
+                    Engine(target, DFlashProposer(draft, target, draft_weights="int8")).generate(prompt, cfg).token_ids))
+    assert out[0] == out[1] and out[0][0] == out[0][1]
+
+
 def test_gguf_plan_keeps_what_does_not_match(tmp_path):
     model = tiny_llama_q()
     path = tmp_path / "tiny.gguf"

@@ -34,7 +34,7 @@ from torch import nn
 
 from .cache import KVCache
 from .hf_config import text_config
-from .quant import QuantLinear, WeightPlan, quant_kernels
+from .quant import QuantLinear, WeightPlan, quant_kernels, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -210,18 +210,23 @@ class LeanDecoder:
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool = False, compile_widths: tuple[int, ...] = (1, 16),
-                 weights: WeightPlan | None = None) -> None:
+                 weights: WeightPlan | None = None, release_sources: bool = False) -> None:
+        """release_sources: once the native stack holds a layer packed, free that layer's unpacked quantized weights
+        (its linears' and the weight plan's), so that a load never holds both copies of every layer: for a target
+        that will only decode (`TargetModel.release_float_weights`)."""
         cfg = text_config(hf_model.config)
         dec = hf_model.get_decoder()
         self.cfg = cfg
         self.embed_tokens, self.rotary, self.norm = dec.embed_tokens, dec.rotary_emb, dec.norm
-        w = dec.layers[0].self_attn.q_proj.weight
+        w = dec.embed_tokens.weight  # the layers' linears may hold no storage (a decode-only GGUF plan)
         self.dtype, self.device = w.dtype, w.device
         # torch.compile traces F.linear, not an opaque packed oneDNN tensor: the two options exclude each other
         self.packed = packed_linear_available(self.dtype, self.device) and not compile
         linear = LinearFactory(self.packed, weights)
         prefix = _layers_prefix(hf_model, dec)
         self.layers = [_Layer(layer, cfg, linear, f"{prefix}.{i}") for i, layer in enumerate(dec.layers)]
+        self._plan, self._prefix, self._release = weights, prefix, release_sources
+        self.released_bytes = 0  # what release_sources freed
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = self.layers[0].head_dim
         self._qkv = self._qkv_eager = [layer.qkv for layer in self.layers]
@@ -260,9 +265,15 @@ class LeanDecoder:
         cfg = self.cfg
         native = kernels.Decoder(int(cfg.hidden_size), self.layers[0].n_q, self.num_kv_heads, self.head_dim,
                                  self.layers[0].inter, self.norm.weight.detach(), float(self.norm.variance_epsilon))
-        for layer in self.layers:
-            native.add_layer(*(lin.native() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down)),
-                             layer.w_in.detach(), layer.eps_in, layer.w_post.detach(), layer.eps_post)
+        for i, layer in enumerate(self.layers):
+            lins = (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down)
+            native.add_layer(*(lin.native() for lin in lins), layer.w_in.detach(), layer.eps_in,
+                             layer.w_post.detach(), layer.eps_post)
+            if self._release:
+                held = [t for lin in lins for t in lin.release_source()]
+                if self._plan is not None:
+                    held += self._plan.release([n for n in self._plan.exact if n.startswith(f"{self._prefix}.{i}.")])
+                self.released_bytes += tensor_bytes(held)
         return native, None
 
     @staticmethod

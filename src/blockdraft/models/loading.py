@@ -27,6 +27,7 @@ from ..atomic import file_lock, fsync_dir, publish_file, recorded_hash_matches
 from ..config import cache_dir
 from .draft import DFlashDraftModel
 from .eagle import EagleDraftModel, is_eagle_draft
+from .lean import LeanDecoder
 from .quant import plan_weights
 from .target import TargetModel
 
@@ -279,7 +280,9 @@ def load_target(target: str | None = None, dtype: str | torch.dtype = "bf16", de
 
     hf, tok, src = load_hf_target(target, dtype, device)
     gguf = Path(src.path) / src.gguf_file if src.gguf_file else None
-    plan = plan_weights(weights, hf, gguf) if lean else None
+    # decode only, on a lean path: each layer's float weight goes once the file's blocks are checked against it
+    release = decode_only and lean and LeanDecoder.supports(hf) is None
+    plan = plan_weights(weights, hf, gguf, release_matched=release) if lean else None
     source = str(gguf) if gguf is not None else src.path
     model = TargetModel(hf, tok, lean=lean, compile=compile, weights=plan, source=source)
     if decode_only:

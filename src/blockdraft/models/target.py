@@ -24,7 +24,7 @@ from torch import nn
 from .cache import KVCache, keeps_prefix
 from .hf_config import text_config
 from .lean import LeanDecoder, Linear, packed_linear_available
-from .quant import QuantLinear, WeightPlan
+from .quant import QuantLinear, WeightPlan, tensor_bytes
 
 QHEAD_ROWS_KEPT = 4  # reduced-vocabulary heads kept per target (see TargetModel._quant_head_rows)
 
@@ -128,6 +128,7 @@ class TargetModel(nn.Module):
         # version then, a copy of its values, the gathered head)
         self._qhead_rows: list[tuple[torch.Tensor, int, torch.Tensor, QuantLinear]] = []
         self.released = False  # `release_float_weights` was called: the lean path is the only one left
+        self._release_on_build = False  # the lean path, built by release_float_weights, frees sources as it packs
 
     @property
     def lean(self):
@@ -141,7 +142,8 @@ class TargetModel(nn.Module):
             if self.released:
                 raise RuntimeError(f"this target released its float weights when it was built for {self._lean_key}; "
                                    f"load it again to decode in {key}")
-            self._lean = LeanDecoder(self.hf, compile=self._compile, weights=self.weights)
+            self._lean = LeanDecoder(self.hf, compile=self._compile, weights=self.weights,
+                                     release_sources=self._release_on_build)
             self._lean_key = key
         return self._lean
 
@@ -152,11 +154,13 @@ class TargetModel(nn.Module):
         norms stay. A decoding process (generate, chat, serve) calls this once after loading; from then on the
         target runs on its lean path only, and a forward through the HF modules, or a change of dtype or device, is
         refused. -> the bytes released (0 without a lean path: the HF modules are the decode path then)."""
+        self._quant_head()  # built from the plan's head weight before the plan forgets the layers'
+        held: list[torch.Tensor] = []
+        # a lean path built now frees each layer's unpacked weights as soon as it holds the layer packed
+        self._release_on_build = self._lean_key is None
         lean = self.lean
         if lean is None:
             return 0
-        self._quant_head()  # built from the plan's head weight before the plan forgets the layers'
-        held: list[torch.Tensor] = []
         for module in self.layers.modules():
             if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
                 held.append(module.weight)
@@ -166,12 +170,12 @@ class TargetModel(nn.Module):
             for layer in lean.layers:
                 for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down):
                     held += lin.release_source()
-            held += self.weights.release(keep=("lm_head",))
+            held += self.weights.release([name for name in self.weights.exact if name != "lm_head"])
         self.released = True
-        seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in held}
+        freed = tensor_bytes(held) + lean.released_bytes
         del held
         _return_freed_heap()
-        return sum(seen.values())
+        return freed
 
     @property
     def lean_reason(self) -> str | None:

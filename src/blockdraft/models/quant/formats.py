@@ -225,6 +225,12 @@ def qweight_tensors(w) -> list[torch.Tensor]:
     return out
 
 
+def tensor_bytes(tensors) -> int:
+    """The bytes held by these tensors, each counted once however often it is listed."""
+    seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
+
+
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] in 0..15 (any integer dtype) -> the Q4Weight byte layout [N, K/2] uint8."""
     n, k = codes.shape

@@ -98,32 +98,57 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
     return None
 
 
-def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, str]]:
-    """The 2-D tensors of a GGUF file -> ({gguf name: weight} for those that map, {gguf name: type} for the rest)."""
-    import gguf
+class GGUFBlocks:
+    """A GGUF file's 2-D tensors in our formats, each converted when it is asked for (`blocks[name]`): a plan that
+    checks and keeps them one by one never holds the whole file converted beside the float model (on the 1.5B
+    target that was ~2 GB of a load's peak, the unused token embedding's blocks included). The file is opened, and
+    a truncated or corrupt one refused, at construction; `other` maps the tensors of types that do not map to their
+    type."""
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: say which, not a numpy traceback
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    mapped: dict[str, QWeight] = {}
-    other: dict[str, str] = {}
-    for t in reader.tensors:
-        if len(t.shape) != 2:
-            continue
-        kind = t.tensor_type.name
-        k = int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = path
         try:
-            w = gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), k) if k % 256 == 0 or (
-                kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and k % BLOCK == 0) else None
+            reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: say which, not a numpy traceback
+            raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self._tensors = {}
+        self.other: dict[str, str] = {}
+        for t in reader.tensors:
+            if len(t.shape) != 2:
+                continue
+            kind, k = t.tensor_type.name, int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
+            if (kind in _SUPER_BLOCK_KINDS and k % 256 == 0) or (kind in _BLOCK_KINDS and k % BLOCK == 0):
+                self._tensors[t.name] = t
+            else:
+                self.other[t.name] = kind
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __getitem__(self, name: str) -> QWeight:
+        t = self._tensors[name]
+        kind = t.tensor_type.name
+        try:
+            return gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), int(t.shape[0]))
         except Exception as e:  # noqa: BLE001 - name the tensor whose blocks do not fit
-            raise ValueError(f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) cannot be read: "
+            raise ValueError(f"{self.path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) cannot be read: "
                              f"{type(e).__name__}: {e}") from None
-        if w is None:
-            other[t.name] = kind
-        else:
-            mapped[t.name] = w
-    return mapped, other
+
+
+_BLOCK_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # blocks of 32 inputs
+_SUPER_BLOCK_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256
+
+
+def read_gguf_weights(path: str | Path) -> tuple[dict[str, QWeight], dict[str, str]]:
+    """The 2-D tensors of a GGUF file, all converted -> ({gguf name: weight} for those that map, {gguf name: type}
+    for the rest). A target's plan reads them one by one (`GGUFBlocks`)."""
+    blocks = GGUFBlocks(path)
+    return {name: blocks[name] for name in blocks}, dict(blocks.other)
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -158,11 +183,11 @@ def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...]
     weight's norm): the model holds the same values rounded to its dtype, a wrong row order is off by ~1.4."""
     if tuple(w.shape) != tuple(reference.shape):
         return None
-    ref = reference.detach().float()
-    norm = float(ref.norm()) or 1.0
+    ref = reference.detach()
+    norm = _distance(None, ref) or 1.0
 
     def close(x: QWeight) -> bool:
-        return float((x.dequantize().to(reference.dtype).float() - ref).norm()) <= 1e-3 * norm
+        return _distance(x, ref) <= 1e-3 * norm
 
     if close(w):
         return w
@@ -172,3 +197,16 @@ def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...]
             if close(p):
                 return p
     return None
+
+
+def _distance(x: QWeight | None, ref: torch.Tensor, rows: int = 4096) -> float:
+    """|x dequantized to ref's dtype - ref| (x None: |ref|) in float32, `rows` rows at a time: a 150k-row LM head
+    dequantized whole, beside its float32 reference and their difference, was ~3 GB of a load's peak."""
+    total = 0.0
+    for i in range(0, ref.shape[0], rows):
+        r = ref[i:i + rows].float()
+        if x is not None:
+            part = x if ref.shape[0] <= rows else x.select(torch.arange(i, i + r.shape[0]))
+            r = part.dequantize().to(ref.dtype).float() - r
+        total += float(r.pow(2).sum())
+    return total ** 0.5

@@ -11,7 +11,7 @@ import torch
 
 from ..hf_config import text_config
 from .formats import BLOCK, WEIGHT_MODES, QWeight, bits_of, fuse, qweight_tensors, quantize, quantize_q8
-from .gguf import gguf_name, match_rows, read_gguf_weights
+from .gguf import GGUFBlocks, gguf_name, match_rows
 from .kernels import kernel_isa, kernel_status
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,10 @@ class WeightPlan:
             self._quantized[n] = f"q{bits_of(w)}"
         return w
 
-    def release(self, keep: tuple[str, ...] = ("lm_head",)) -> list[torch.Tensor]:
-        """Forget the exact weights of every module but `keep`, once the decode path that was built from them holds
-        its own copies: -> the tensors they held. A decode path built from this plan afterwards is refused."""
-        held = [t for name, w in self.exact.items() if name not in keep for t in qweight_tensors(w)]
-        self.exact = {name: w for name, w in self.exact.items() if name in keep}
+    def release(self, names) -> list[torch.Tensor]:
+        """Forget the exact weights of these modules, once the decode path built from them holds its own copies:
+        -> the tensors they held. A decode path built from this plan afterwards is refused."""
+        held = [t for name in names if name in self.exact for t in qweight_tensors(self.exact.pop(name))]
         self.released = True
         return held
 
@@ -97,21 +96,27 @@ class WeightPlan:
                 "kernels": kernel_status() or kernel_isa()}
 
 
-def plan_weights(mode: str, model: torch.nn.Module, gguf_path: str | Path | None = None) -> WeightPlan:
+def plan_weights(mode: str, model: torch.nn.Module, gguf_path: str | Path | None = None,
+                 release_matched: bool = False) -> WeightPlan:
     """--weights MODE for a loaded HF model: 'auto' keeps a GGUF target's own quantization (every linear whose
     blocks map exactly; the rest stays float, logged) and leaves any other target float; 'bf16' keeps the float
-    weights; 'int8' / 'int4' quantize them (opt-in: their quality cost is in the docs)."""
+    weights; 'int8' / 'int4' quantize them (opt-in: their quality cost is in the docs). release_matched: see
+    `gguf_plan`."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; choose one of {WEIGHT_MODES}")
     if mode == "auto":
-        return gguf_plan(model, gguf_path) if gguf_path is not None else WeightPlan("bf16")
+        return gguf_plan(model, gguf_path, release_matched) if gguf_path is not None else WeightPlan("bf16")
     return WeightPlan(mode)
 
 
-def gguf_plan(model: torch.nn.Module, gguf_path: str | Path) -> WeightPlan:
+def gguf_plan(model: torch.nn.Module, gguf_path: str | Path, release_matched: bool = False) -> WeightPlan:
     """Map the GGUF file's blocks onto the model's linears, each checked against the model's own (dequantized)
-    weight so that a name or row-order mismatch can never slip through: it stays float instead."""
-    blocks, other = read_gguf_weights(gguf_path)
+    weight so that a name or row-order mismatch can never slip through: it stays float instead.
+    release_matched: free each matched layer linear's float weight once checked (it becomes a meta tensor of its
+    shape; the LM head keeps its): for a process that will only decode on the plan's weights, so that the float
+    model and the file's blocks never sit in memory side by side (`load_target(decode_only=True)`)."""
+    blocks = GGUFBlocks(gguf_path)
+    other = blocks.other
     cfg = text_config(model.config)
     heads = (int(getattr(cfg, "num_attention_heads", 0) or 0), int(getattr(cfg, "num_key_value_heads", 0) or 0))
     exact: dict[str, QWeight] = {}
@@ -133,6 +138,8 @@ def gguf_plan(model: torch.nn.Module, gguf_path: str | Path) -> WeightPlan:
             kept[key] = f"{g} does not reproduce the model's weight"
         else:
             exact[key] = w
+            if release_matched and module is not head:
+                module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
     plan = WeightPlan("gguf", exact, str(gguf_path), kept)
     kinds: dict[str, int] = {}
     for w in exact.values():
