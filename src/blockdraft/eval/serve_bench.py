@@ -13,7 +13,9 @@ max(c, --min-requests) have completed.
 
 Reported per level: total completion tokens / wall seconds, per-request decode tok/s on the client's clock
 ((completion tokens - 1) / (last chunk - first chunk)), mean time to first token, mean tau, and the server
-process's resident memory after the level (VmRSS) and its peak so far (VmHWM, which includes loading).
+process's resident memory after the level (VmRSS), its peak so far (VmHWM, which includes loading and pages of mapped
+files) and the most anonymous memory it held while loading (RssAnon sampled every 0.2 s: what a machine must have
+free to start it).
 
     blockdraft serve-bench --threads 2 --out benchmarks/serving/DATE/serve.md
 
@@ -170,7 +172,8 @@ def run(bench: ServeBenchConfig) -> int:
                 print(json.dumps(solo[-1]), file=sys.stderr, flush=True)
             for c in bench.concurrency:
                 r = level(client, model, messages, c, max(c, bench.min_requests), bench.max_tokens)
-                r.update(method=method, **resident_gb(server.proc.pid))
+                r.update(method=method, **resident_gb(server.proc.pid),
+                         start_anon_peak_gb=server.start_anon_peak_bytes / 1e9)
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:
@@ -198,7 +201,8 @@ def run(bench: ServeBenchConfig) -> int:
                      f"{statistics.mean(x['generate_tau'] for x in s):.2f} |")
     base = {r["concurrency"]: r["tok_per_s"] for r in rows if r["method"] == "ar"}
     lines += ["", "| method | concurrency | requests | total tok/s | vs ar | per-request decode tok/s | mean TTFT s "
-              "| tau | server RSS GB | server peak GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| tau | server RSS GB | server peak GB | loading anon peak GB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def gb(v) -> str:
         return "" if v is None else f"{v:.2f}"
@@ -208,7 +212,7 @@ def run(bench: ServeBenchConfig) -> int:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else ""
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['tok_per_s']:.1f} | {vs} | "
                      f"{r['decode_tok_s_mean']:.1f} | {r['ttft_mean_s']:.2f} | {tau} | {gb(r.get('rss_gb'))} | "
-                     f"{gb(r.get('peak_gb'))} |")
+                     f"{gb(r.get('peak_gb'))} | {gb(r.get('start_anon_peak_gb'))} |")
     md = "\n".join(lines)
     print(md)
     if bench.out:

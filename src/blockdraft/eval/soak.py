@@ -113,7 +113,11 @@ class ServerProcess:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline, self.port = time.time() + 600, None
+        # the most anonymous memory seen while it loads, sampled every 0.2 s: what a machine must have free (the
+        # peak the kernel keeps, VmHWM, also counts pages of mapped files, which it can drop)
+        self.start_anon_peak_bytes = 0
         while time.time() < deadline and self.proc.poll() is None:
+            self.start_anon_peak_bytes = max(self.start_anon_peak_bytes, self._status_bytes("RssAnon"))
             m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_path.read_text())
             if m:
                 self.port = int(m.group(1))
@@ -137,11 +141,18 @@ class ServerProcess:
         finally:
             conn.close()
 
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+    def _status_bytes(self, key: str) -> int:
+        """A size line of the process's /proc status (VmRSS, RssAnon, ...) in bytes; 0 where it has none."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
         return 0
+
+    def rss_bytes(self) -> int:
+        return self._status_bytes("VmRSS")
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
