@@ -157,7 +157,7 @@ class TargetModel(nn.Module):
         self._quant_head()  # built from the plan's head weight before the plan forgets the layers'
         held: list[torch.Tensor] = []
         # a lean path built now frees each layer's unpacked weights as soon as it holds the layer packed
-        self._release_on_build = self._lean_key is None
+        built_now = self._release_on_build = self._lean_key is None
         lean = self.lean
         if lean is None:
             return 0
@@ -172,7 +172,7 @@ class TargetModel(nn.Module):
                     held += lin.release_source()
             held += self.weights.release([name for name in self.weights.exact if name != "lm_head"])
         self.released = True
-        freed = tensor_bytes(held) + lean.released_bytes
+        freed = tensor_bytes(held) + (lean.released_bytes if built_now else 0)
         del held
         _return_freed_heap()
         return freed
