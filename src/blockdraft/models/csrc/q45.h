@@ -51,17 +51,20 @@ inline Q4Packed pack_q4(const torch::Tensor& qw, const torch::Tensor& d, const t
   const float *ds = d.data_ptr<float>(), *os = o.data_ptr<float>();
   uint8_t* dst = p.codes.data_ptr<uint8_t>();
   float *dd = p.d.data_ptr<float>(), *dof = p.o.data_ptr<float>();
-  for (int64_t col = 0; col < p.n; ++col) {
-    const int64_t pi = col / kPanel, c = col % kPanel;
-    for (int64_t b = 0; b < p.g; ++b) {
-      const uint8_t* blk = src + col * (p.k / 2) + b * 16;  // GGUF's byte j = inputs j, j + 16: byte 4t + i here
-      uint8_t* out = dst + panel_base(pi, p.g, 256, 32) + b * 256;
-      for (int t = 0; t < 4; ++t)
-        for (int i = 0; i < 4; ++i) out[t * 64 + c * 4 + i] = blk[4 * t + i];
-      dd[panel_base(pi, p.g, 2 * kPanel, kPanel) + b * 2 * kPanel + c] = ds[col * p.g + b];
-      dof[panel_base(pi, p.g, 2 * kPanel, kPanel) + b * 2 * kPanel + c] = os[col * p.g + b];
+  // each column writes its own bytes: columns split across the threads
+  at::parallel_for(0, p.n, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t col = c0; col < c1; ++col) {
+      const int64_t pi = col / kPanel, c = col % kPanel;
+      for (int64_t b = 0; b < p.g; ++b) {
+        const uint8_t* blk = src + col * (p.k / 2) + b * 16;  // GGUF's byte j = inputs j, j + 16: byte 4t + i here
+        uint8_t* out = dst + panel_base(pi, p.g, 256, 32) + b * 256;
+        for (int t = 0; t < 4; ++t)
+          for (int i = 0; i < 4; ++i) out[t * 64 + c * 4 + i] = blk[4 * t + i];
+        dd[panel_base(pi, p.g, 2 * kPanel, kPanel) + b * 2 * kPanel + c] = ds[col * p.g + b];
+        dof[panel_base(pi, p.g, 2 * kPanel, kPanel) + b * 2 * kPanel + c] = os[col * p.g + b];
+      }
     }
-  }
+  });
   p.d = compact_scales(p.d);
   p.o = p.d.scalar_type() == at::kHalf ? compact_scales(p.o) : p.o;
   if (p.o.scalar_type() != p.d.scalar_type()) p.d = p.d.to(torch::kFloat);
@@ -217,18 +220,20 @@ inline torch::Tensor pack_plane(const torch::Tensor& hb, const Q4Packed& q) {
   torch::Tensor plane = torch::zeros({q.panels / kTile, q.g, 64}, torch::kByte);
   const uint8_t* src = hb.data_ptr<uint8_t>();
   uint8_t* dst = plane.data_ptr<uint8_t>();
-  for (int64_t col = 0; col < q.n; ++col) {
-    const int64_t pi = col / kPanel, c = col % kPanel;
-    for (int64_t b = 0; b < q.g; ++b) {
-      const uint8_t* w = src + col * (q.k / 8) + b * 4;
-      uint8_t* out = dst + panel_base(pi, q.g, 64, 32) + b * 64 + c * 4;
-      for (int t = 0; t < 8; ++t)
-        for (int i = 0; i < 4; ++i) {
-          const int input = (t < 4 ? 4 * t : 16 + 4 * (t - 4)) + i;
-          out[i] |= static_cast<uint8_t>(((w[input / 8] >> (input % 8)) & 1) << t);
-        }
+  at::parallel_for(0, q.n, 256, [&](int64_t c0, int64_t c1) {  // each column ors into its own bytes
+    for (int64_t col = c0; col < c1; ++col) {
+      const int64_t pi = col / kPanel, c = col % kPanel;
+      for (int64_t b = 0; b < q.g; ++b) {
+        const uint8_t* w = src + col * (q.k / 8) + b * 4;
+        uint8_t* out = dst + panel_base(pi, q.g, 64, 32) + b * 64 + c * 4;
+        for (int t = 0; t < 8; ++t)
+          for (int i = 0; i < 4; ++i) {
+            const int input = (t < 4 ? 4 * t : 16 + 4 * (t - 4)) + i;
+            out[i] |= static_cast<uint8_t>(((w[input / 8] >> (input % 8)) & 1) << t);
+          }
+      }
     }
-  }
+  });
   return plane;
 }
 
