@@ -25,16 +25,19 @@ def lookup_continuation(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 
     empty = tokens.new_zeros(0)
     if num_tokens <= 0:
         return empty, 0
+    # numpy on a CPU view: a decode step calls this once per draft, and torch's per-op overhead was most of its cost
+    t = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         if n < 1:
             break
-        pattern = tokens[L - n:]
-        # windows starting at 0 .. L-n-1: every n-gram that ends before the last position (the suffix itself, which
+        # n-grams starting at 0 .. L-n-1: every one that ends before the last position (the suffix itself, which
         # starts at L-n, is excluded, and each earlier one has at least one token after it)
-        windows = tokens[: L - 1].unfold(0, n, 1)
-        hits = (windows == pattern).all(dim=-1).nonzero()
-        if hits.numel():
-            start = int(hits[-1, 0]) + n
+        hit = t[: L - n] == t[L - n]
+        for i in range(1, n):
+            hit &= t[i: L - n + i] == t[L - n + i]
+        starts = np.flatnonzero(hit)
+        if starts.size:
+            start = int(starts[-1]) + n
             return tokens[start: start + num_tokens].clone(), n
     return empty, 0
 

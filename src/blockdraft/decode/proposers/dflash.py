@@ -212,6 +212,9 @@ class DFlashProposer(Proposer):
             hidden = self._hidden(block, tokens.shape[0] - 1)
             return self._chain(tokens, *self._score(tokens, hidden, self._head_logits(hidden)), hidden, sampling,
                                generator)
+        if steps == 1 and sampling.greedy:  # one pass fixes every position: what the loop below does, in one line
+            scores, to_ids, _ = self._scores(tokens, block)
+            return Tree.chain(tokens[-1], to_ids(scores.argmax(-1)))
         for s in range(steps):
             scores, to_ids, to_vocab = self._scores(tokens, block)  # [g, Vs]
             if sampling.greedy and steps == 1:
