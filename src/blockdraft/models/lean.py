@@ -226,7 +226,7 @@ class LeanDecoder:
         prefix = _layers_prefix(hf_model, dec)
         self.layers = [_Layer(layer, cfg, linear, f"{prefix}.{i}") for i, layer in enumerate(dec.layers)]
         self._plan, self._prefix, self._release = weights, prefix, release_sources
-        self.released_bytes = 0  # what release_sources freed
+        self.released_bytes = 0  # what the release of unpacked weights freed so far
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = self.layers[0].head_dim
         self._qkv = self._qkv_eager = [layer.qkv for layer in self.layers]
@@ -270,11 +270,22 @@ class LeanDecoder:
             native.add_layer(*(lin.native() for lin in lins), layer.w_in.detach(), layer.eps_in,
                              layer.w_post.detach(), layer.eps_post)
             if self._release:
-                held = [t for lin in lins for t in lin.release_source()]
-                if self._plan is not None:
-                    held += self._plan.release([n for n in self._plan.exact if n.startswith(f"{self._prefix}.{i}.")])
-                self.released_bytes += tensor_bytes(held)
+                self._release_layer(i)
         return native, None
+
+    def release_sources(self) -> None:
+        """Free every layer's unpacked quantized weights (its linears' and the weight plan's): the native stack reads
+        its packed copies only. Nothing without the native stack (the Python layers read the unpacked ones)."""
+        if self.native is not None:
+            for i in range(len(self.layers)):
+                self._release_layer(i)
+
+    def _release_layer(self, i: int) -> None:
+        layer = self.layers[i]
+        held = [t for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down) for t in lin.release_source()]
+        if self._plan is not None:
+            held += self._plan.release([n for n in self._plan.exact if n.startswith(f"{self._prefix}.{i}.")])
+        self.released_bytes += tensor_bytes(held)
 
     @staticmethod
     def supports(hf_model: nn.Module) -> str | None:

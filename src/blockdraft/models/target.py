@@ -24,7 +24,7 @@ from torch import nn
 from .cache import KVCache, keeps_prefix
 from .hf_config import text_config
 from .lean import LeanDecoder, Linear, packed_linear_available
-from .quant import QuantLinear, WeightPlan, tensor_bytes
+from .quant import QuantLinear, WeightPlan, drop_float_weight, tensor_bytes
 
 QHEAD_ROWS_KEPT = 4  # reduced-vocabulary heads kept per target (see TargetModel._quant_head_rows)
 
@@ -155,27 +155,21 @@ class TargetModel(nn.Module):
         target runs on its lean path only, and a forward through the HF modules, or a change of dtype or device, is
         refused. -> the bytes released (0 without a lean path: the HF modules are the decode path then)."""
         self._quant_head()  # built from the plan's head weight before the plan forgets the layers'
-        held: list[torch.Tensor] = []
         # a lean path built now frees each layer's unpacked weights as soon as it holds the layer packed
         built_now = self._release_on_build = self._lean_key is None
         lean = self.lean
         if lean is None:
             return 0
-        for module in self.layers.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                held.append(module.weight)
-                # same shape and dtype, no storage: what reads a shape still can, what reads values fails loudly
-                module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        before = 0 if built_now else lean.released_bytes
+        held = [drop_float_weight(m) for m in self.layers.modules()
+                if isinstance(m, nn.Linear) and m.weight.device.type != "meta"]
         if lean.native is not None:  # the native stack reads the packed copies only
             head = self._quant_head()
             if head is not None:
                 head.native()  # packed now, while loading: the first request waited for it (4.5 s on the 1.5B)
-            for layer in lean.layers:
-                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up, layer.down):
-                    held += lin.release_source()
-            held += self.weights.release([name for name in self.weights.exact if name != "lm_head"])
+            lean.release_sources()
         self.released = True
-        freed = tensor_bytes(held) + (lean.released_bytes if built_now else 0)
+        freed = tensor_bytes(held) + lean.released_bytes - before
         del held
         _return_freed_heap()
         return freed

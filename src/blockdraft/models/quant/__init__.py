@@ -32,10 +32,10 @@ from .formats import (BLOCK, WEIGHT_MODES, Factored, Q4Weight, Q5Weight, Q8Weigh
                       tensor_bytes)
 from .gguf import GGUFBlocks, gguf_block_weight, gguf_name, llama_rope_rows, match_rows, read_gguf_weights
 from .kernels import QuantLinear, kernel_isa, kernel_status, loaded_kernels, quant_kernels
-from .plan import WeightPlan, gguf_plan, plan_weights
+from .plan import WeightPlan, drop_float_weight, gguf_plan, plan_weights
 
 __all__ = ["BLOCK", "GGUFBlocks", "WEIGHT_MODES", "Factored", "Q4Weight", "Q5Weight", "Q8Weight", "QWeight",
-           "QuantLinear", "Stacked", "WeightPlan", "as_kind", "bits_of", "concat", "fuse", "gguf_block_weight",
-           "gguf_name", "gguf_plan", "kernel_isa", "kernel_status", "llama_rope_rows", "loaded_kernels", "match_rows",
-           "pack_q4", "pack_q5", "plan_weights", "quant_kernels", "quantize", "quantize_q4", "quantize_q5",
-           "quantize_q8", "qweight_tensors", "read_gguf_weights", "tensor_bytes"]
+           "QuantLinear", "Stacked", "WeightPlan", "as_kind", "bits_of", "concat", "drop_float_weight", "fuse",
+           "gguf_block_weight", "gguf_name", "gguf_plan", "kernel_isa", "kernel_status", "llama_rope_rows",
+           "loaded_kernels", "match_rows", "pack_q4", "pack_q5", "plan_weights", "quant_kernels", "quantize",
+           "quantize_q4", "quantize_q5", "quantize_q8", "qweight_tensors", "read_gguf_weights", "tensor_bytes"]

@@ -96,6 +96,14 @@ class WeightPlan:
                 "kernels": kernel_status() or kernel_isa()}
 
 
+def drop_float_weight(module: torch.nn.Module) -> torch.Tensor:
+    """Replace a module's weight by a meta tensor of its shape and dtype (no storage: what reads a shape still can,
+    what reads values fails loudly) -> the weight it held."""
+    held = module.weight
+    module.weight = torch.nn.Parameter(torch.empty_like(held, device="meta"), requires_grad=False)
+    return held
+
+
 def plan_weights(mode: str, model: torch.nn.Module, gguf_path: str | Path | None = None,
                  release_matched: bool = False) -> WeightPlan:
     """--weights MODE for a loaded HF model: 'auto' keeps a GGUF target's own quantization (every linear whose
@@ -139,7 +147,7 @@ def gguf_plan(model: torch.nn.Module, gguf_path: str | Path, release_matched: bo
         else:
             exact[key] = w
             if release_matched and module is not head:
-                module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+                drop_float_weight(module)
     plan = WeightPlan("gguf", exact, str(gguf_path), kept)
     kinds: dict[str, int] = {}
     for w in exact.values():
