@@ -8,6 +8,8 @@ and activation scales (a tile could otherwise sum the whole K, as oneDNN's per-c
 column tiles sharing one activation tile per pass. Prints the time per matrix and the largest difference from the
 exact block-scaled product (float32 rounding only). Needs a CPU with AMX (Intel Sapphire Rapids and later) and
 Linux's permission to use it; it says so and stops otherwise.
+First it times the tile multiply alone (TDPBSSD back to back on four independent result tiles, no memory) at 1 / 4
+/ 16 rows and 32 / 64 inputs: the unit's rate on this machine, the floor under any kernel built on it.
 
     .venv/bin/python experiments/amx_block_probe.py --threads 2
 """
@@ -28,6 +30,7 @@ SRC = r'''
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <ATen/Parallel.h>
+#include <chrono>
 
 // the tile configuration LDTILECFG reads (palette 1)
 struct TileCfg { uint8_t palette, start; uint8_t r0[14]; uint16_t colsb[16]; uint8_t rows[16]; };
@@ -48,6 +51,33 @@ torch::Tensor pack(torch::Tensor w) {
     for (int j = 0; j < 16; ++j) for (int q = 0; q < 4; ++q)
       o[(((t * (K / 32) + b) * 8 + r) * 64) + j * 4 + q] = W[t * 16 + j][b * 32 + 4 * r + q];
   return out;
+}
+
+// ns per tile multiply, register-only: `iters` rounds of four TDPBSSD into tiles 0-3 (independent accumulators,
+// so the rate is the unit's throughput, not one multiply's latency), A [rows, k bytes] and B [k / 4, 64 bytes]
+__attribute__((target("amx-tile,amx-int8")))
+double tile_multiply_ns(int64_t rows, int64_t k, int64_t iters) {
+  TORCH_CHECK(amx_ok(), "AMX not permitted");
+  TORCH_CHECK(rows >= 1 && rows <= 16 && (k == 32 || k == 64), "rows 1..16, k 32 or 64");
+  TileCfg cfg{}; cfg.palette = 1;
+  for (int i = 0; i < 4; ++i) { cfg.rows[i] = rows; cfg.colsb[i] = 64; }
+  cfg.rows[4] = rows; cfg.colsb[4] = k;
+  cfg.rows[5] = k / 4; cfg.colsb[5] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) int8_t zeros[1024] = {};
+  _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbssd(0, 4, 5); _tile_dpbssd(1, 4, 5); _tile_dpbssd(2, 4, 5); _tile_dpbssd(3, 4, 5);
+  }
+  alignas(64) int32_t sink[16][16];
+  _tile_stored(0, sink, 64);  // the multiplies' results are used
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  _tile_release();
+  static volatile int32_t kept;
+  kept = sink[0][0];
+  return s * 1e9 / (4.0 * iters);
 }
 
 // a [M, K] int8, sa [M, K/32] f32, packed, sw [N/16][K/32][16] f32 -> [M, N] f32; four column tiles per pass so
@@ -115,8 +145,13 @@ def main() -> None:
     args = ap.parse_args()
     if "amx_int8" not in open("/proc/cpuinfo").read():
         raise SystemExit("this CPU has no AMX tiles")
-    ext = load_inline("blockdraft_amx_block_probe", cpp_sources=SRC, functions=["pack", "matmul"],
+    ext = load_inline("blockdraft_amx_block_probe", cpp_sources=SRC, functions=["pack", "matmul", "tile_multiply_ns"],
                       extra_cflags=["-O3", "-mamx-tile", "-mamx-int8", "-mavx512f"])
+    print("one tile multiply alone (TDPBSSD, 4 independent results, best of 5 x 200k), ns:")
+    for rows in (1, 4, 16):
+        ns = {k: min(ext.tile_multiply_ns(rows, k, 200_000) for _ in range(5)) for k in (32, 64)}
+        print(f"  {rows:2d} rows: {ns[32]:.2f} at 32 inputs, {ns[64]:.2f} at 64 "
+              f"({rows * 16 * 64 / ns[64]:.0f} G int8 multiply-adds/s at 64)")
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     g = torch.Generator().manual_seed(0)
