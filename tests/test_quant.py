@@ -336,6 +336,86 @@ def test_unmapped_gguf_type_returns_none():
     assert quant.gguf_block_weight("Q3_K", np.zeros((4, 110), np.uint8), 256) is None
 
 
+def _write_gguf_with_metadata(path) -> None:
+    """A GGUF file with what makes gguf-py's reader slow or a parser trip: string arrays (a vocabulary with
+    multi-byte characters), a nested array, a 64-byte data alignment, and tensors of several types and ranks."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    rng = np.random.default_rng(11)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_token_list([f"tok{i}" + "é" * (i % 5) for i in range(300)])
+    writer.add_token_scores([float(i) for i in range(300)])
+    writer.add_array("test.nested", [[1, 2], [3, 4, 5]])
+    writer.add_string("test.name", "a model ✓")
+    for name, kind, n, k in (("blk.0.attn_q.weight", "Q4_K", 37, 512), ("blk.0.ffn_down.weight", "Q6_K", 5, 256),
+                             ("output.weight", "Q8_0", 99, 64), ("blk.0.attn_k.weight", "Q5_1", 3, 96)):
+        writer.add_tensor(name, _gguf_blocks(kind, n, k, rng), raw_dtype=GGMLQuantizationType[kind])
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((7, 64)).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_gguf_index_lists_what_gguf_py_reads(tmp_path):
+    from gguf import GGUFReader
+
+    from blockdraft.models.quant.gguf import read_gguf_index
+
+    path = tmp_path / "meta.gguf"
+    _write_gguf_with_metadata(path)
+    ours = read_gguf_index(path)
+    theirs = GGUFReader(str(path)).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert (a.kind, a.dims, a.start, a.nbytes) == (b.tensor_type.name, tuple(int(d) for d in b.shape),
+                                                        b.data_offset, b.n_bytes), a.name
+    blocks = quant.GGUFBlocks(path)
+    assert sorted(blocks) == ["blk.0.attn_k.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "output.weight"]
+    assert blocks.other == {"token_embd.weight": "F16"}  # 2-D but not a block type; the 1-D norm is not listed
+    for t in theirs:
+        if t.name in blocks:
+            raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+            ref = quant.gguf_block_weight(t.tensor_type.name, raw, int(t.shape[0]))
+            got = blocks[t.name]
+            assert all(torch.equal(x, y) for x, y in zip(quant.qweight_tensors(got), quant.qweight_tensors(ref)))
+
+
+@pytest.mark.parametrize("damage", ["magic", "header", "data", "version", "counts", "empty"])
+def test_a_damaged_gguf_is_a_clear_error_naming_the_file(tmp_path, damage):
+    path = tmp_path / "meta.gguf"
+    _write_gguf_with_metadata(path)
+    raw = bytearray(path.read_bytes())
+    bad = tmp_path / "damaged.gguf"
+    if damage == "magic":
+        raw[:4] = b"GGML"
+    elif damage == "version":
+        raw[4:8] = (1).to_bytes(4, "little")
+    elif damage == "counts":  # a tensor count no file could hold: refused at once, not read until the end
+        raw[8:16] = (1 << 60).to_bytes(8, "little")
+    cut = {"header": 200, "data": len(raw) - 100, "empty": 0}.get(damage, len(raw))
+    bad.write_bytes(raw[:cut])
+    with pytest.raises(ValueError, match=r"damaged\.gguf: not a readable GGUF file"):
+        quant.GGUFBlocks(bad)
+
+
+def test_match_rows_finds_the_row_order_from_a_sample_of_rows():
+    """Above `sample` rows the check reads a spread of them: it still tells llama.cpp's q/k order from the model's
+    and another tensor of the same shape from this one."""
+    gen = torch.Generator().manual_seed(8)
+    n, k, heads = 1536, 64, 12  # 1536 rows > the 512 sampled
+    ref = quant.quantize_q8(torch.randn(n, k, generator=gen)).dequantize()  # the model's weight, its own order
+    in_file = quant.quantize_q8(ref[quant.llama_rope_rows(n, heads).argsort()])  # rows as llama.cpp writes them
+    got = quant.match_rows(in_file, ref, (heads, 2))
+    assert got is not None and torch.equal(got.dequantize(), ref)
+    assert quant.match_rows(quant.quantize_q8(ref), ref, (heads, 2)) is not None  # already in order
+    other = quant.quantize_q8(torch.randn(n, k, generator=gen))
+    assert quant.match_rows(other, ref, (heads, 2)) is None
+    assert quant.match_rows(in_file, ref, (0,)) is None  # no head count that undoes the order
+
+
 # --------------------------------------------------------------------------------------- a GGUF file, mapped
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter's row order for q/k (its RoPE pairs adjacent rows)."""

@@ -3,7 +3,10 @@ file's weights read as such."""
 
 from __future__ import annotations
 
+import mmap
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +101,109 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
     return None
 
 
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file as its header lists it: dims in GGUF's order (the contiguous one first), where its
+    bytes start in the file, and how many there are (None for a type without a known size)."""
+    name: str
+    kind: str
+    dims: tuple[int, ...]
+    start: int
+    nbytes: int | None
+
+
+# GGUF's metadata value types of a fixed size (gguf.GGUFValueType: 8 is a string, 9 an array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_index(path: str | Path) -> list[GGUFTensor]:
+    """The tensors a GGUF file (version 2 or 3) lists, read from its header alone. gguf-py's reader also turns every
+    metadata value into numpy objects: on a 150k-token vocabulary (its tokens and merges) that took ~11 s of a
+    target's load; here the metadata is skipped but for the data alignment. A truncated or corrupt file is a
+    ValueError naming it."""
+    import gguf
+
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # an empty file
+            raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    with buf:
+        size = len(buf)
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            v = struct.unpack_from(fmt, buf, pos)[0]
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            if pos + n > size:
+                raise ValueError("a string runs past the end")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype in _SCALARS:
+                pos += struct.calcsize(_SCALARS[vtype])
+            elif vtype == 8:
+                n = take("<Q")  # read before the sum: `pos += take(...)` would add to pos as it was before
+                pos += n
+            elif vtype == 9:
+                item, count = take("<I"), take("<Q")
+                if item in _SCALARS:
+                    pos += count * struct.calcsize(_SCALARS[item])
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            if pos > size:
+                raise ValueError("the metadata runs past the end")
+
+        try:
+            if take("<I") != gguf.GGUF_MAGIC:
+                raise ValueError("no GGUF magic")
+            version = take("<I")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            if 8 * (n_tensors + n_kv) > size:  # each entry takes at least 8 bytes: garbage counts stop here
+                raise ValueError(f"{n_tensors} tensors and {n_kv} metadata entries cannot fit the file")
+            alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+            for _ in range(n_kv):
+                key, vtype = string(), take("<I")
+                if key == gguf.Keys.General.ALIGNMENT and vtype in _SCALARS:
+                    alignment = int(take(_SCALARS[vtype]))
+                else:
+                    skip(vtype)
+            listed = []
+            for _ in range(n_tensors):
+                name, n_dims = string(), take("<I")
+                if n_dims > 4:  # GGML_MAX_DIMS
+                    raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+                dims = tuple(take("<Q") for _ in range(n_dims))
+                listed.append((name, dims, take("<I"), take("<Q")))
+        except (struct.error, ValueError, OverflowError) as e:
+            raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        data = -(-pos // alignment) * alignment
+        tensors = []
+        for name, dims, code, offset in listed:
+            try:
+                kind = gguf.GGMLQuantizationType(code).name
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(code)]
+                nbytes = int(np.prod(dims, dtype=np.int64)) // block * block_bytes
+            except (ValueError, KeyError):
+                kind, nbytes = f"type {code}", None
+            if nbytes is not None and data + offset + nbytes > size:
+                raise ValueError(f"{path}: not a readable GGUF file (tensor {name!r} runs past the end: truncated)")
+            tensors.append(GGUFTensor(name, kind, dims, data + offset, nbytes))
+        return tensors
+
+
 class GGUFBlocks:
     """A GGUF file's 2-D tensors in our formats, each converted when it is asked for (`blocks[name]`): a plan that
     checks and keeps them one by one never holds the whole file converted beside the float model (on the 1.5B
@@ -106,23 +212,18 @@ class GGUFBlocks:
     type."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = path
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: say which, not a numpy traceback
-            raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self._tensors = {}
+        self._tensors: dict[str, GGUFTensor] = {}
         self.other: dict[str, str] = {}
-        for t in reader.tensors:
-            if len(t.shape) != 2:
+        for t in read_gguf_index(path):
+            if len(t.dims) != 2:
                 continue
-            kind, k = t.tensor_type.name, int(t.shape[0])  # GGUF lists the contiguous (input) dimension first
+            kind, k = t.kind, t.dims[0]  # GGUF lists the contiguous (input) dimension first
             if (kind in _SUPER_BLOCK_KINDS and k % 256 == 0) or (kind in _BLOCK_KINDS and k % BLOCK == 0):
                 self._tensors[t.name] = t
             else:
                 self.other[t.name] = kind
+        self._data: np.ndarray | None = None  # the file mapped read-only, on first use
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -132,11 +233,13 @@ class GGUFBlocks:
 
     def __getitem__(self, name: str) -> QWeight:
         t = self._tensors[name]
-        kind = t.tensor_type.name
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._data[t.start:t.start + t.nbytes].reshape(t.dims[1], -1)
         try:
-            return gguf_block_weight(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), int(t.shape[0]))
+            return gguf_block_weight(t.kind, raw, t.dims[0])
         except Exception as e:  # noqa: BLE001 - name the tensor whose blocks do not fit
-            raise ValueError(f"{self.path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) cannot be read: "
+            raise ValueError(f"{self.path}: tensor {t.name!r} ({t.kind}, shape {list(t.dims)}) cannot be read: "
                              f"{type(e).__name__}: {e}") from None
 
 
@@ -177,25 +280,31 @@ def llama_rope_rows(n_rows: int, n_heads: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_heads, dim, 2).transpose(1, 2).reshape(n_rows)
 
 
-def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...]) -> QWeight | None:
+def match_rows(w: QWeight, reference: torch.Tensor, head_counts: tuple[int, ...],
+               sample: int = 512) -> QWeight | None:
     """w as the model's own weight `reference` [N, K]: as is, or with llama.cpp's q/k row permutation undone (for
     one of `head_counts`), whichever reproduces it; None if none does. The tolerance is relative (1e-3 of the
-    weight's norm): the model holds the same values rounded to its dtype, a wrong row order is off by ~1.4."""
+    weight's norm): the model holds the same values rounded to its dtype, a wrong row order is off by ~1.4.
+    The check reads `sample` rows spread evenly over N (all of them when N is smaller): it is there for the name
+    and the row order, and a wrong tensor or order differs on nearly every row (a head's permutation moves all but
+    two of its rows), while dequantizing every row of every weight took ~10 s of the 1.5B target's load."""
     if tuple(w.shape) != tuple(reference.shape):
         return None
-    ref = reference.detach()
+    n = w.shape[0]
+    rows = torch.arange(n) if n <= sample else torch.linspace(0, n - 1, sample).round().long().unique()
+    ref = reference.detach()[rows]
     norm = _distance(None, ref) or 1.0
 
     def close(x: QWeight) -> bool:
         return _distance(x, ref) <= 1e-3 * norm
 
-    if close(w):
+    if close(w if n <= sample else w.select(rows)):
         return w
     for h in head_counts:
-        if h and w.shape[0] % (2 * h) == 0:
-            p = w.select(llama_rope_rows(w.shape[0], h))
-            if close(p):
-                return p
+        if h and n % (2 * h) == 0:
+            perm = llama_rope_rows(n, h)
+            if close(w.select(perm[rows])):
+                return w.select(perm)
     return None
 
 
