@@ -35,6 +35,10 @@ SRC = r'''
 // the tile configuration LDTILECFG reads (palette 1)
 struct TileCfg { uint8_t palette, start; uint8_t r0[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
+// LDTILECFG on the whole 64 bytes: GCC's _tile_loadconfig tells the compiler it reads 8, so the stores that fill
+// the rest could be dropped
+static inline void load_tile_config(const TileCfg& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
+
 // Linux hands the tile state to a process only once asked (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA)
 static bool amx_ok() {
   static int ok = -1;
@@ -63,7 +67,7 @@ double tile_multiply_ns(int64_t rows, int64_t k, int64_t iters) {
   for (int i = 0; i < 4; ++i) { cfg.rows[i] = rows; cfg.colsb[i] = 64; }
   cfg.rows[4] = rows; cfg.colsb[4] = k;
   cfg.rows[5] = k / 4; cfg.colsb[5] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   alignas(64) int8_t zeros[1024] = {};
   _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -95,7 +99,7 @@ torch::Tensor matmul(torch::Tensor a, torch::Tensor sa, torch::Tensor packed, to
     for (int i = 0; i < 4; ++i) { cfg.rows[i] = M; cfg.colsb[i] = 64; }
     cfg.rows[4] = M; cfg.colsb[4] = 32;
     for (int i = 5; i < 8; ++i) { cfg.rows[i] = 8; cfg.colsb[i] = 64; }
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
     alignas(64) int32_t buf[4][16][16];
     alignas(64) float acc[4][16][16];
     for (int64_t g = g0; g < g1; ++g) {
