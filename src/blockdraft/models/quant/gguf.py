@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .formats import BLOCK, Factored, Q4Weight, Q5Weight, Q8Weight, QWeight, pack_q4, pack_q5
+from .formats import BLOCK, Factored, Q4Weight, Q5Weight, Q8Weight, QWeight, pack_q5
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 little-endian half floats -> [...] float32."""
@@ -80,11 +80,14 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         b = data.reshape(n, k // 256, 144)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k4_scales(b[..., 4:16])  # [N, S, 8]
-        q = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 inputs: low nibbles 0..31, high 32..63
-        codes = np.stack([q & 15, q >> 4], axis=3).reshape(n, k)  # [N, S, 4, 2, 32] -> input order
+        q = b[..., 16:].reshape(n, k // 256, 4, 2, 16)  # 4 chunks of 64 inputs: low nibbles 0..31, high 32..63
+        lo, hi = q[..., 0, :], q[..., 1, :]  # bytes 0..15 and 16..31 of a chunk
+        # straight into our layout (byte j of a block of 32: input j low, j + 16 high): inputs 0..31 are the low
+        # nibbles, 32..63 the high ones; unpacking every code and packing again took half of a Q4_K load
+        codes = np.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], axis=3).reshape(n, k // 2)
         scale = (d[..., None] * sc).reshape(n, k // BLOCK)
         off = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
-        return Q4Weight(pack_q4(torch.from_numpy(codes)), torch.from_numpy(scale), torch.from_numpy(off),
+        return Q4Weight(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(off),
                         _k_factors(d, sc, dmin, mn))
     if kind == "Q6_K":  # super-blocks of 256: ql[128], qh[64], 16 int8 scales, d
         b = data.reshape(n, k // 256, 210)
@@ -93,7 +96,7 @@ def gguf_block_weight(kind: str, data: np.ndarray, k: int) -> QWeight | None:
         d = _f16(b[..., 208:210])
         lo = np.concatenate([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
         hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
-        codes = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+        codes = ((lo | (hi << 4)) - np.uint8(32)).view(np.int8).reshape(n, k)  # 0..63 - 32, wrapped as int8
         scale = (d[..., None] * sc).reshape(n, k // 16)
         return Q8Weight(torch.from_numpy(codes), torch.from_numpy(scale),
                         Factored(torch.from_numpy(np.ascontiguousarray(d)),
