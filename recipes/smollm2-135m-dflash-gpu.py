@@ -3,7 +3,8 @@
 train a fresh DFlash draft on them plus the packaged answers, then decode a few held-out prompts with the engine on
 the GPU as a check. Every stage has a time budget, so the round fits a fixed lease; what it writes goes to --out:
 
-    regen-heldout.npz, regen-train-{0,1,2}.npz   the new answers (packed records, `records.load_packed`)
+    regen-heldout.npz, regen-train-{0,1,2}.npz   the new answers (packed records, `records.load_packed`; JSONL
+                                                 shard directories of those names for a vocabulary over 65,535)
     draft/ (config.json, model.safetensors; --split-draft writes model-{a,b}.safetensors instead)
     log.txt                                      progress, the training log and a summary as the last line
 
@@ -14,6 +15,14 @@ random model instead, for a check of the code path on a new machine.
     python recipes/smollm2-135m-dflash-gpu.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompts prompts-train.npz \
         --heldout-prompts prompts-heldout.npz --existing 'data/smollm2-regen/train-*.npz' --out out \
         --gen-seconds 240 --train-minutes 4
+
+Any GGUF target the engine loads runs the same round; for Qwen2.5-Coder-1.5B-Instruct, continuing its shipped draft
+on blocks of 4 beside the answers committed as JSONL shards (docs/training-on-a-gpu.md, "Another target"):
+
+    python recipes/smollm2-135m-dflash-gpu.py --gguf qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --prompts gpu15/prompts-train.npz --heldout-prompts gpu15/prompts-heldout.npz --heldout-answers false \
+        --existing data/qwen2.5-coder-1.5b-regen/shards --init models/qwen2.5-coder-1.5b-dflash --block 16 \
+        --train-block 4 --layers 1 --out out --gen-seconds 240 --train-minutes 6
 """
 
 from __future__ import annotations
@@ -42,12 +51,27 @@ def say(*parts) -> None:
 
 
 def pack_split(records: list[dict], stem: Path, parts: int) -> list[str]:
-    from blockdraft.train.records import pack_uint16
+    """records in `parts` files stem-k.npz (packed), or, for a vocabulary uint16 cannot hold, JSONL shard
+    directories stem-k/ (written beside, then swapped in: the round rewrites them as answers come in)."""
+    from blockdraft.train.records import UINT16_MAX, ShardWriter, pack_uint16
 
+    wide = any(max(r["input_ids"], default=0) > UINT16_MAX for r in records)
     names = []
     for k in range(parts):
         chunk = records[k::parts]
-        if chunk:
+        if not chunk:
+            continue
+        if wide:
+            d = stem.with_name(f"{stem.name}-{k}")
+            tmp = d.with_name(d.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            writer = ShardWriter(tmp, 10**9)
+            writer.write(chunk)
+            writer.close()
+            shutil.rmtree(d, ignore_errors=True)
+            tmp.rename(d)
+            names.append(d.name)
+        else:
             p = stem.with_name(f"{stem.name}-{k}.npz")
             pack_uint16(chunk, p)
             names.append(p.name)
@@ -73,7 +97,8 @@ def main() -> int:
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--heldout-prompts", default=None)
-    ap.add_argument("--existing", default="", help="globs (comma-separated) of packed records trained on beside the new ones")
+    ap.add_argument("--existing", default="", help="globs (comma-separated) of records trained on beside the new "
+                    "ones: packed .npz files or JSONL shard directories (a vocabulary over 65,535 tokens)")
     ap.add_argument("--existing-heldout", default="", help="packed held-out records (the engine check's prompts)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/blockdraft-round")
@@ -85,6 +110,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--taps", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--train-block", type=int, default=0, help="rows per training block, below --block (0: --block): "
+                    "a draft that decodes short blocks trains them")
     ap.add_argument("--anchors", type=int, default=96)
     ap.add_argument("--seqs", type=int, default=48)
     ap.add_argument("--max-len", type=int, default=640)
@@ -117,7 +144,7 @@ def main() -> int:
 
     from blockdraft.models.draft_config import default_target_layer_ids
     from blockdraft.train.config import TrainConfig
-    from blockdraft.train.records import load_packed
+    from blockdraft.train.records import load_records
     from blockdraft.train.regen_hf import generate_batched
     from blockdraft.train.trainer import train
     from blockdraft.train.wide_prompts import read_tokenized
@@ -187,7 +214,8 @@ def main() -> int:
 
     # ------------------------------------------------------------------------------------------- training
     try:
-        existing = [r for pat in args.existing.split(",") if pat for f in sorted(glob.glob(pat)) for r in load_packed(f)]
+        existing = [r for pat in args.existing.split(",") if pat for f in sorted(glob.glob(pat))
+                    for r in load_records(f)]
         if args.smoke:
             existing = records_of(train_ids, train_prompts, {i: [7, 8, 9, 7, 8, 9] * 5 for i in range(40)})
         records = existing + new_records
@@ -202,10 +230,11 @@ def main() -> int:
             args.layers = max(args.layers, init_cfg.num_hidden_layers)
             if args.block != init_cfg.block_size:  # the live source trains whole blocks of the draft's own size
                 raise SystemExit(f"--block {args.block}: {args.init} has block size {init_cfg.block_size}; a "
-                                 "continued draft trains at its own block size (shorter blocks need a teacher cache)")
+                                 "continued draft keeps its block size (--train-block trains shorter blocks)")
             say("continuing", args.init, "taps", taps, "layers", args.layers, "block", init_cfg.block_size)
         base = dict(device=str(dev), batched=True, attention="sdpa", num_layers=args.layers,
-                    layer_ids=taps, block_size=args.block, mask_token_id=mask_id, anchors=args.anchors,
+                    layer_ids=taps, block_size=args.block, train_block=args.train_block, mask_token_id=mask_id,
+                    anchors=args.anchors,
                     seqs_per_step=args.seqs, max_len=args.max_len, lr=args.lr, warmup=args.warmup, min_lr_ratio=0.05,
                     precision="bf16", init=args.init, eval_every=0, eval_prompts=0, log_every=25,
                     save_every=10**9, keep_last=1, seed=0, loss_chunk_rows=8192,

@@ -295,6 +295,14 @@ def test_tokenized_prompt_files_round_trip_and_skip_what_is_answered(tmp_path):
     assert ids == ["p0", "p3"] and toks == [[1, 1, 2, 3, 2], [1, 2, 2, 2]]
     assert counts == {"u": 1, "t": 1}
 
+    class WideTok:  # a vocabulary over 65,536 tokens (Qwen's chat markers are ids ~151,644)
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+            return [151644] + [70000 + len(w) for m in messages for w in m["content"].split()] + [151645]
+
+    write_tokenized(WideTok(), ps[:2], tmp_path / "wide.npz")
+    assert read_tokenized(tmp_path / "wide.npz") == (["p0", "p1"], [[151644, 70001, 70002, 70003, 151645],
+                                                                   [151644, 70004, 151645]])
+
 
 def test_regenerate_records_teacher_data_in_the_same_pass(tiny, tmp_path):
     """With a RecordSpec the answers' teacher data comes from the pass that writes them: the tapped features and

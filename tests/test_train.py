@@ -212,17 +212,19 @@ def _with_prompt_len(rec: dict, n_prompt: int) -> dict:
     return dict(rec, loss_mask=[0] * n_prompt + [1] * (len(rec["input_ids"]) - n_prompt))
 
 
-def test_batched_loss_is_the_row_weighted_mean_of_the_solo_losses(tiny, tmp_path):
+@pytest.mark.parametrize("train_block", [8, 4])
+def test_batched_loss_is_the_row_weighted_mean_of_the_solo_losses(tiny, tmp_path, train_block):
     """One batched forward over sequences of different lengths and anchor counts gives each sequence the hidden
     states its solo forward gives (right padding and empty anchor slots change nothing), so its loss is the
     decay-weighted mean over all labelled rows: sum_i loss_i * W_i / sum_i W_i with W_i sequence i's weight sum.
-    fp32; the tolerance covers summation order only."""
+    Blocks of the draft's size (8) or shorter (train_block 4; the decay stays the draft's). fp32; the tolerance
+    covers summation order only."""
     from blockdraft.train.blocks import build_blocks, default_gamma, loss_weights, sample_anchors
     from blockdraft.train.live import batch_loss
 
     recs = [regenerated(tiny, 1, seed=20 + i, new_tokens=n)[0] for i, n in enumerate((30, 17, 41))]
     recs[1] = _with_prompt_len(recs[1], 12)  # a longer prompt: fewer valid anchors than the others
-    cfg = _cfg(tmp_path, anchors=9, batched=True)
+    cfg = _cfg(tmp_path, anchors=9, batched=True, train_block=train_block)
     draft = make_draft(cfg, tiny)
     feats = OnlineFeatures(tiny, draft.config.target_layer_ids)
     module = TrainModule(draft)
@@ -231,8 +233,8 @@ def test_batched_loss_is_the_row_weighted_mean_of_the_solo_losses(tiny, tmp_path
     weights = []
     for r, i in zip(recs, indices):
         lm = torch.tensor(r["loss_mask"])
-        a = sample_anchors(lm, cfg.anchors, 8, torch.Generator().manual_seed(cfg.seed * 1_000_003 + i))
-        bb = build_blocks(torch.tensor(r["input_ids"]), lm, a, 8, MASK_ID)
+        a = sample_anchors(lm, cfg.anchors, train_block, torch.Generator().manual_seed(cfg.seed * 1_000_003 + i))
+        bb = build_blocks(torch.tensor(r["input_ids"]), lm, a, train_block, MASK_ID)
         w = loss_weights(bb.offsets, default_gamma(8))
         weights.append(float(w[bb.labels != -100].sum()))
     both = batch_loss(module, tiny, recs, feats, cfg, draft.config, indices)
@@ -240,6 +242,7 @@ def test_batched_loss_is_the_row_weighted_mean_of_the_solo_losses(tiny, tmp_path
     assert float(both.loss.detach()) == pytest.approx(want, rel=1e-5)
     assert torch.equal(both.counted, sum(s.counted for s in solo))
     assert torch.equal(both.correct, sum(s.correct for s in solo))
+    assert both.counted.numel() == train_block and int(both.counted[0]) == 0  # row 0 is the anchor: no label
     both.loss.backward()  # the batched graph reaches the draft's weights
     assert all(p.grad is not None for p in draft.layers[0].parameters())
 

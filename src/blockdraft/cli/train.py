@@ -172,7 +172,8 @@ def register(sub) -> None:
                        "instructions), deduped, decontaminated and tokenized for a GPU regeneration round")
     add_target(w)
     w.add_argument("--out", required=True, help="directory: prompts-train.npz, prompts-heldout.npz, prompt-card.json")
-    w.add_argument("--exclude", default=None, help="glob of packed records whose prompts are already answered")
+    w.add_argument("--exclude", default=None, help="glob of records whose prompts are already answered (packed "
+                   ".npz files or JSONL shard directories)")
     w.add_argument("--max-prompt-tokens", type=int, default=512)
     w.add_argument("--heldout", type=int, default=480, help="held-out prompts written (of ~2%% held out)")
     w.add_argument("--seed", type=int, default=0)

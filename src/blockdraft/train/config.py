@@ -56,7 +56,7 @@ class TrainConfig:
     #                          the public layout: `DFlashConfig.layer_mix`; matters with 2+ draft layers only)
     # ---------------------------------------------------------------------------------------- what a step sees
     train_block: int = 0  # rows per training block (<= block_size; 0 = block_size): short blocks put more of each
-    #                        step into the first positions, which decide acceptance most (cache source)
+    #                        step into the first positions, which decide acceptance most
     anchors: int = 0  # anchors per sequence; 0 = every valid response position
     anchor_bias: float = 0.0  # cache source, with `anchors`: draw anchor p with weight 1 + anchor_bias * (1 - the
     #                           target's probability of token p), so that tokens the target hesitated over start
@@ -170,8 +170,8 @@ class TrainConfig:
             cache_only = [n for n in ("copy_gate", "next_token_feature", "anchor_bias") if getattr(self, n)]
             if cache_only or self.kd_weight:
                 raise ValueError(f"{', '.join(cache_only or ['kd_weight'])}: trains from a teacher cache (cache=...)")
-            if self.train_block != self.block_size:
-                raise ValueError("train_block < block_size trains from a teacher cache (cache=...)")
+            if self.train_block != self.block_size and self.method != "dflash":
+                raise ValueError("train_block < block_size trains a DFlash draft (method dflash)")
         if self.batched and (self.source == "cache" or self.method != "dflash" or self.target_labels):
             raise ValueError("batched trains a DFlash draft from records (data=...) with the records' own labels "
                              "(not with a teacher cache, method eagle or target_labels)")

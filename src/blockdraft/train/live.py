@@ -53,6 +53,13 @@ class TrainModule(nn.Module):
         return hidden if keep_batch else hidden[0]
 
 
+def live_block(cfg: TrainConfig, draft_cfg: DFlashConfig) -> int:
+    """Rows per training block on the live source: `train_block` where it is set below the draft's block size (a
+    draft that decodes short blocks learns its first rows from more anchors), else the draft's own block size. The
+    loss decay stays the draft's (as on a teacher cache)."""
+    return min(cfg.train_block, draft_cfg.block_size)
+
+
 def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg: TrainConfig,
                 draft_cfg: DFlashConfig, sample_index: int, vocab_ids: torch.Tensor | None = None,
                 vocab_map: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
@@ -62,7 +69,8 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
     ids = torch.tensor(record["input_ids"][: cfg.max_len], dtype=torch.long)
     lm = torch.tensor(record["loss_mask"][: cfg.max_len], dtype=torch.long)
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + sample_index)
-    anchors = sample_anchors(lm, cfg.anchors or lm.numel(), draft_cfg.block_size, g, uniform=cfg.uniform_blocks)
+    bs = live_block(cfg, draft_cfg)
+    anchors = sample_anchors(lm, cfg.anchors or lm.numel(), bs, g, uniform=cfg.uniform_blocks)
     if anchors.numel() == 0:
         return None
     label_ids = None
@@ -75,13 +83,13 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
     else:
         feats = None if cfg.no_target_features else features_fn(record)
     feats = None if cfg.no_target_features else feats[:, : ids.numel()]
-    bb = build_blocks(ids, lm, anchors, draft_cfg.block_size, draft_cfg.mask_token_id, label_ids)
+    bb = build_blocks(ids, lm, anchors, bs, draft_cfg.mask_token_id, label_ids)
     ctx_len = 0 if feats is None else feats.shape[1]
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and target.device.type == "cuda")
     if use_flex:
-        mask = flex_block_mask(anchors, draft_cfg.block_size, ctx_len, target.device)
+        mask = flex_block_mask(anchors, bs, ctx_len, target.device)
     else:
-        mask = block_attention_mask(anchors, draft_cfg.block_size, ctx_len)[None, None].to(target.device)
+        mask = block_attention_mask(anchors, bs, ctx_len)[None, None].to(target.device)
     with torch.no_grad():
         embeds = target.embed(bb.block_ids.unsqueeze(0).to(target.device))
     dev = target.device
@@ -94,7 +102,7 @@ def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_f
         hidden = module(feats, embeds, bb.positions.unsqueeze(0).to(dev), mask)
         gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(draft_cfg.block_size))
         out = block_loss(hidden, labels, offsets, loss_weights(offsets, gamma),
-                         head, draft_cfg.block_size, cfg.loss_chunk_rows,
+                         head, bs, cfg.loss_chunk_rows,
                          softcap=target.softcap)
     out.correct, out.counted = out.correct.cpu(), out.counted.cpu()
     return out
@@ -109,7 +117,7 @@ def batch_loss(module: nn.Module, target: TargetModel, records: list[dict], feat
     never reaches a real position), and anchor slots a sequence leaves empty hold blocks without labels that see
     nothing but themselves. The loss is the decay-weighted mean over every labelled row of the batch (`sample_loss`
     weighs each sequence's rows alone). Returns None if no sequence has an anchor."""
-    bs, mask_id, dev = draft_cfg.block_size, draft_cfg.mask_token_id, target.device
+    bs, mask_id, dev = live_block(cfg, draft_cfg), draft_cfg.mask_token_id, target.device
     rows = []
     for rec, index in zip(records, sample_indices):
         ids = torch.tensor(rec["input_ids"][: cfg.max_len], dtype=torch.long)
@@ -152,7 +160,7 @@ def batch_loss(module: nn.Module, target: TargetModel, records: list[dict], feat
         labels = torch.where(labels >= 0, vocab_map.to(dev)[labels.clamp_min(0)], labels)
     with autocast(dtype, dev.type):
         hidden = module(feats, embeds, positions.to(dev), mask, keep_batch=True)
-        gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(bs))
+        gamma = None if cfg.no_loss_decay else (cfg.gamma or default_gamma(draft_cfg.block_size))
         flat_offsets = offsets.reshape(-1).to(dev)
         out = block_loss(hidden.reshape(-1, hidden.shape[-1]), labels, flat_offsets,
                          loss_weights(flat_offsets, gamma), head, bs, cfg.loss_chunk_rows,
@@ -212,7 +220,8 @@ class LiveObjective:
             self.module: nn.Module = EagleTrainModule(draft, cfg.ttt_steps)
         else:
             self.module = TrainModule(draft)
-        self.acc_width = cfg.ttt_steps + 1 if self.eagle else draft.config.block_size  # per TTT step / block row
+        # per TTT step / block row
+        self.acc_width = cfg.ttt_steps + 1 if self.eagle else live_block(cfg, draft.config)
         self.acc_from = 0 if self.eagle else 1  # block row 0 is the given token
         self.vocab_ids = None if self.eagle else draft.vocab_ids
         self.vocab_map = None

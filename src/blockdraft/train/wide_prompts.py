@@ -261,7 +261,8 @@ def wide_prompt_set(sources: dict[str, Sequence[Prompt]], seed: int = 0, heldout
 # ------------------------------------------------------------------------------------------- tokenized prompt files
 def write_tokenized(tokenizer, prompts: Sequence[Prompt], path: str | Path, max_prompt_tokens: int = 512,
                     skip: set[tuple[int, ...]] = frozenset()) -> dict[str, int]:
-    """Chat-format and tokenize `prompts` into one compressed `.npz` (`tokens` flat uint16, `offsets` [n+1],
+    """Chat-format and tokenize `prompts` into one compressed `.npz` (`tokens` flat uint16, or uint32 for a
+    vocabulary over 65,536 tokens, `offsets` [n+1],
     `ids`, `tasks`): what a GPU regeneration round reads (no tokenizer or data package needed there). Prompts over
     `max_prompt_tokens`, and prompts whose token ids are in `skip` (already answered), are left out. Returns the
     count kept per task."""
@@ -271,12 +272,11 @@ def write_tokenized(tokenizer, prompts: Sequence[Prompt], path: str | Path, max_
         ids = chat_token_ids(tokenizer, p.messages)
         if len(ids) <= max_prompt_tokens and tuple(ids) not in skip:
             kept.append((p.id, p.task, ids))
-    if any(max(ids) > 0xFFFF for _, _, ids in kept):
-        raise ValueError("token ids above 65535 do not fit the uint16 prompt file")
+    dtype = np.uint32 if any(max(ids) > 0xFFFF for _, _, ids in kept) else np.uint16
     offsets = np.zeros(len(kept) + 1, dtype=np.int64)
     np.cumsum([len(ids) for _, _, ids in kept], out=offsets[1:])
-    tokens = (np.concatenate([np.asarray(ids, dtype=np.uint16) for _, _, ids in kept]) if kept
-              else np.zeros(0, np.uint16))
+    tokens = (np.concatenate([np.asarray(ids, dtype=dtype) for _, _, ids in kept]) if kept
+              else np.zeros(0, dtype))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -308,8 +308,8 @@ def prompt_ids_of_records(records) -> set[tuple[int, ...]]:
 @dataclass(frozen=True)
 class WidePromptsConfig:
     """`blockdraft wide-prompts`: out: the directory written (prompts-train.npz, prompts-heldout.npz,
-    prompt-card.json); exclude: a glob of packed records whose prompts are already answered; heldout: held-out
-    prompts written (of the ~2% held out)."""
+    prompt-card.json); exclude: a glob of records (packed, or JSONL shard directories) whose prompts are already
+    answered; heldout: held-out prompts written (of the ~2% held out)."""
 
     out: str
     target: str | None = None
