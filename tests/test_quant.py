@@ -383,7 +383,7 @@ def test_the_gguf_index_lists_what_gguf_py_reads(tmp_path):
             assert all(torch.equal(x, y) for x, y in zip(quant.qweight_tensors(got), quant.qweight_tensors(ref)))
 
 
-@pytest.mark.parametrize("damage", ["magic", "header", "data", "version", "counts", "empty"])
+@pytest.mark.parametrize("damage", ["magic", "header", "data", "version", "counts", "empty", "alignment"])
 def test_a_damaged_gguf_is_a_clear_error_naming_the_file(tmp_path, damage):
     path = tmp_path / "meta.gguf"
     _write_gguf_with_metadata(path)
@@ -395,6 +395,9 @@ def test_a_damaged_gguf_is_a_clear_error_naming_the_file(tmp_path, damage):
         raw[4:8] = (1).to_bytes(4, "little")
     elif damage == "counts":  # a tensor count no file could hold: refused at once, not read until the end
         raw[8:16] = (1 << 60).to_bytes(8, "little")
+    elif damage == "alignment":  # the value after the key "general.alignment" and its type
+        at = raw.find(b"general.alignment") + len(b"general.alignment") + 4
+        raw[at:at + 4] = (0).to_bytes(4, "little")
     cut = {"header": 200, "data": len(raw) - 100, "empty": 0}.get(damage, len(raw))
     bad.write_bytes(raw[:cut])
     with pytest.raises(ValueError, match=r"damaged\.gguf: not a readable GGUF file"):

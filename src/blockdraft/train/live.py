@@ -54,10 +54,12 @@ class TrainModule(nn.Module):
 
 
 def live_block(cfg: TrainConfig, draft_cfg: DFlashConfig) -> int:
-    """Rows per training block on the live source: `train_block` where it is set below the draft's block size (a
-    draft that decodes short blocks learns its first rows from more anchors), else the draft's own block size. The
-    loss decay stays the draft's (as on a teacher cache)."""
-    return min(cfg.train_block, draft_cfg.block_size)
+    """Rows per training block on the live source: `train_block` where it is set below `block_size` (a draft that
+    decodes short blocks learns its first rows from more anchors), else the draft's own block size (a continued
+    draft keeps its size). The loss decay stays the draft's (as on a teacher cache)."""
+    if cfg.train_block < cfg.block_size:
+        return min(cfg.train_block, draft_cfg.block_size)
+    return draft_cfg.block_size
 
 
 def sample_loss(module: nn.Module, target: TargetModel, record: dict, features_fn, cfg: TrainConfig,
